@@ -1,0 +1,22 @@
+"""dllm: decoding diffusion language models with exact speculative denoising.
+
+    out = dllm.generate(model, input_ids, sampler="fef", max_new_tokens=64, temperature=1.0,
+                        generator=torch.Generator().manual_seed(0), window=4)
+"""
+
+from dllm.api import GenerateOutput, generate
+from dllm.models.oracle import HMMOracle, InconsistentModel
+from dllm.protocols import CausalModel, DiffusionModel
+from dllm.stats import DecodeStats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CausalModel",
+    "DecodeStats",
+    "DiffusionModel",
+    "GenerateOutput",
+    "HMMOracle",
+    "InconsistentModel",
+    "generate",
+]

@@ -1,0 +1,128 @@
+"""The front door: ``generate`` validates its arguments once, picks the sampler, runs and times it."""
+
+from __future__ import annotations
+
+import math
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dllm.protocols import is_causal_model, is_diffusion_model
+from dllm.samplers import SAMPLERS, SamplerSpec
+from dllm.stats import DecodeStats
+
+
+@dataclass
+class GenerateOutput:
+    """Result of ``generate``."""
+
+    sequences: torch.Tensor  # [B, P + max_new_tokens], prompt included
+    stats: DecodeStats
+    sampler: str
+    options: dict[str, Any] = field(default_factory=dict)  # every option, defaults filled in
+    exact: bool = True  # False for samplers that only approximate the sequential chain
+    seed: int | None = None  # the seed of the generator generate made, when none was given
+
+
+def generate(
+    model,
+    input_ids: torch.Tensor,
+    sampler: str = "fef",
+    max_new_tokens: int = 64,
+    temperature: float = 1.0,
+    generator: torch.Generator | None = None,
+    **options: Any,
+) -> GenerateOutput:
+    """Generate ``max_new_tokens`` tokens after ``input_ids`` [B, P] with the named sampler.
+
+    ``model`` follows ``dllm.DiffusionModel`` (masked-diffusion samplers) or ``dllm.CausalModel``
+    (``ar``, ``ar_spec``). ``temperature`` 0 is greedy. Sampler options are listed in
+    ``dllm.samplers.SAMPLERS`` (e.g. ``window``, ``order``, ``block_length`` for fef). Without a
+    ``generator`` a fresh one is seeded from the OS and its seed returned in ``GenerateOutput.seed``.
+    """
+    spec = _check_sampler(sampler)
+    _check_model(model, spec)
+    _check_input_ids(input_ids, model, spec)
+    _check_int("max_new_tokens", max_new_tokens, minimum=1)
+    _check_temperature(temperature)
+    seed = None
+    if generator is None:
+        seed = secrets.randbits(63)
+        generator = torch.Generator(device=input_ids.device).manual_seed(seed)
+    elif not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    resolved = spec.resolve(options, model=model, max_new_tokens=max_new_tokens)
+
+    stats = DecodeStats()
+    _synchronize(input_ids.device)
+    start = time.perf_counter()
+    sequences = spec.run(model, input_ids, max_new_tokens, temperature=temperature, generator=generator,
+                         stats=stats, **resolved)
+    _synchronize(input_ids.device)
+    stats.wall_time_s = time.perf_counter() - start
+    shown = {k: v for k, v in resolved.items() if k != "callback"}
+    if "drafter" in shown and not isinstance(shown["drafter"], str):
+        shown["drafter"] = type(shown["drafter"]).__name__
+    return GenerateOutput(sequences, stats, sampler, shown, spec.exact, seed)
+
+
+def _check_sampler(sampler: str) -> SamplerSpec:
+    if not isinstance(sampler, str) or sampler not in SAMPLERS:
+        raise ValueError(f"sampler must be one of {sorted(SAMPLERS)}, got {sampler!r}")
+    return SAMPLERS[sampler]
+
+
+def _check_model(model, spec: SamplerSpec) -> None:
+    if spec.model_kind == "diffusion" and not is_diffusion_model(model):
+        raise TypeError(
+            f"sampler {spec.name!r} needs a DiffusionModel (callable with mask_token_id and vocab_size); "
+            f"got {type(model).__name__}"
+        )
+    if spec.model_kind == "causal" and not is_causal_model(model):
+        raise TypeError(
+            f"sampler {spec.name!r} needs a CausalModel (callable with vocab_size and no mask_token_id); "
+            f"got {type(model).__name__}"
+        )
+    if not isinstance(model.vocab_size, int) or model.vocab_size < 2:
+        raise ValueError(f"model.vocab_size must be an int >= 2, got {model.vocab_size!r}")
+
+
+def _check_input_ids(input_ids, model, spec: SamplerSpec) -> None:
+    if not isinstance(input_ids, torch.Tensor):
+        raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
+    if input_ids.dim() != 2 or input_ids.shape[0] < 1:
+        raise ValueError(
+            f"input_ids must have shape [batch, prompt_length] with batch >= 1, got {tuple(input_ids.shape)}"
+        )
+    if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+        raise TypeError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+    if spec.model_kind == "causal" and input_ids.shape[1] < 1:
+        raise ValueError("input_ids must hold at least one token for a causal model (a BOS token, say)")
+    if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= model.vocab_size):
+        raise ValueError(f"input_ids must lie in [0, vocab_size={model.vocab_size}), got "
+                         f"[{int(input_ids.min())}, {int(input_ids.max())}]")
+    mask_id = getattr(model, "mask_token_id", None)
+    if spec.model_kind == "diffusion" and bool((input_ids == mask_id).any()):
+        raise ValueError(f"input_ids must not contain the mask token (id {mask_id}) in the prompt")
+
+
+def _check_temperature(temperature) -> None:
+    if isinstance(temperature, bool) or not isinstance(temperature, int | float):
+        raise TypeError(f"temperature must be a number, got {type(temperature).__name__}")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be finite and >= 0 (0 means greedy), got {temperature}")
+
+
+def _check_int(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

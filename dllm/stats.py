@@ -1,0 +1,134 @@
+"""DecodeStats: the one set of decoding statistics every sampler reports, AR and diffusion alike."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class DecodeStats:
+    """Counters summed over all rounds and rows of one ``generate`` call.
+
+    Definitions (the only place they are written down):
+
+    - ``nfe``: calls of the target model. One batched call counts once, however many rows or
+      verification copies it holds.
+    - ``nfe_draft``: calls of a separate drafter model (``ar_spec``); 0 when drafts come from the
+      target itself (``fef``) or from n-grams.
+    - ``row_calls``: sequences served by target calls, summed over calls (a verification call with W
+      copies of R rows counts R). ``new_tokens / row_calls`` is ``tokens_per_row_call``, the
+      batch-size-independent "tokens per NFE" of one sequence; at batch size 1 it equals
+      ``tokens_per_call``.
+    - ``forward_tokens``: token positions the target processed over all calls, rows x length, padding
+      and verification copies included. It is the honest cost of a call on hardware that does not
+      parallelise for free (a CPU); ``forward_tokens_draft`` is the same for the drafter.
+    - ``new_tokens``: generated tokens, prompt excluded (and, once EOS handling applies, tokens after
+      a row's EOS excluded).
+    - ``rounds``: row-rounds: every step or verification round counts once per row that took part.
+    - ``drafted`` / ``accepted``: draft tokens proposed to, and accepted by, the verification core.
+    - ``mean_acceptance_length``: ``new_tokens / rounds``, i.e. tokens emitted per row per round,
+      INCLUDING the correction or bonus token of a speculative round (vLLM's convention; gpt-fast
+      counts accepted drafts only, which is ``accepted / rounds`` here). For non-speculative samplers
+      it is the number of tokens committed per step, so both families read the same way.
+    - ``acceptance_per_position[j]``: among rounds that proposed a draft at window index j, the
+      fraction in which it was accepted. Acceptance stops at the first rejection, so this is the
+      probability that drafts 0..j were all accepted, given that j was proposed.
+    - ``tokens_per_call``: ``new_tokens / nfe``.
+    - ``wall_time_s``: wall-clock seconds of the whole decoding loop, after device synchronisation.
+    """
+
+    nfe: int = 0
+    nfe_draft: int = 0
+    row_calls: int = 0
+    forward_tokens: int = 0
+    forward_tokens_draft: int = 0
+    new_tokens: int = 0
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    wall_time_s: float = 0.0
+
+    def count_call(self, input_ids: torch.Tensor, draft: bool = False, rows: int | None = None) -> None:
+        """Record one model call on ``input_ids`` [N, L] serving ``rows`` sequences (default N)."""
+        tokens = int(input_ids.numel())
+        if draft:
+            self.nfe_draft += 1
+            self.forward_tokens_draft += tokens
+        else:
+            self.nfe += 1
+            self.row_calls += input_ids.shape[0] if rows is None else rows
+            self.forward_tokens += tokens
+
+    def count_round(self, emitted: torch.Tensor) -> None:
+        """Record one step of a non-speculative sampler: ``emitted`` [N] tokens per taking-part row."""
+        self.rounds += int(emitted.numel())
+        self.new_tokens += int(emitted.sum())
+
+    def count_verification(
+        self, num_drafts: torch.Tensor, num_accepted: torch.Tensor, num_emitted: torch.Tensor
+    ) -> None:
+        """Record one verification round; each argument is [N] over the rows that took part."""
+        self.count_round(num_emitted)
+        self.drafted += int(num_drafts.sum())
+        self.accepted += int(num_accepted.sum())
+        width = int(num_drafts.max()) if num_drafts.numel() else 0
+        self._grow(width)
+        for j in range(width):
+            self.drafted_per_position[j] += int((num_drafts > j).sum())
+            self.accepted_per_position[j] += int((num_accepted > j).sum())
+
+    def _grow(self, width: int) -> None:
+        missing = width - len(self.drafted_per_position)
+        if missing > 0:
+            self.drafted_per_position.extend([0] * missing)
+            self.accepted_per_position.extend([0] * missing)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return self.new_tokens / self.rounds if self.rounds else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted over drafted tokens (0 when nothing was drafted)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+
+    @property
+    def tokens_per_call(self) -> float:
+        return self.new_tokens / self.nfe if self.nfe else 0.0
+
+    @property
+    def tokens_per_row_call(self) -> float:
+        return self.new_tokens / self.row_calls if self.row_calls else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.wall_time_s if self.wall_time_s > 0 else 0.0
+
+    def __add__(self, other: DecodeStats) -> DecodeStats:
+        """Sum two runs' counters (e.g. batches of one evaluation)."""
+        total = DecodeStats()
+        for name in ("nfe", "nfe_draft", "row_calls", "forward_tokens", "forward_tokens_draft", "new_tokens", "rounds",
+                     "drafted", "accepted", "wall_time_s"):
+            setattr(total, name, getattr(self, name) + getattr(other, name))
+        total._grow(max(len(self.drafted_per_position), len(other.drafted_per_position)))
+        for src in (self, other):
+            for j, (d, a) in enumerate(zip(src.drafted_per_position, src.accepted_per_position)):
+                total.drafted_per_position[j] += d
+                total.accepted_per_position[j] += a
+        return total
+
+    def to_dict(self) -> dict:
+        """Counters and derived rates as plain JSON-ready values."""
+        out = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        for name in ("mean_acceptance_length", "acceptance_rate", "acceptance_per_position", "tokens_per_call",
+                     "tokens_per_row_call", "tokens_per_second"):
+            out[name] = getattr(self, name)
+        return out

@@ -1,0 +1,179 @@
+"""``fef``: exact speculative denoising. Drafts from cheap marginals, verified against the sequential chain.
+
+One round per row (shapes for R active rows, window W):
+1. window: the next W candidate positions in ``order``, predicted from the draft logits;
+2. drafts: d_j ~ softmax(draft_logits[s_j] / T), independently (the factorized marginals);
+3. verify: copy c of the sequence has drafts d_<c revealed; one batched model call gives each copy's
+   logits. Copy c must agree that s_c is the position ``sequential`` reveals next (always true for
+   left_to_right); the first copy that disagrees ends the drafts, and its own choice becomes the bonus.
+   Target row c is copy c at s_c; the bonus row is the copy after the last draft at its chosen position;
+4. ``verify`` accepts each draft with probability min(1, target/draft) and draws the correction from the
+   residual (or the bonus);
+5. reveal the emitted tokens; the rest of the window stays masked.
+
+The emitted tokens are distributed exactly as ``sequential`` with the same order and temperature, for
+any model: verification compares against the same conditionals sequential would use, and position
+choices are re-checked on the copies. Temperature 0 accepts while the draft is the copy's argmax and
+reproduces greedy ``sequential`` token for token.
+
+``draft`` chooses where draft logits come from:
+- ``"marginal"``: a model call on the current state (copy 0 of the verify step, so it is reused and
+  the first draft is always accepted): two calls per round, at least two tokens per round;
+- ``"stale"``: the logits of the verified copy that matches the new state's revealed drafts, from the
+  previous round's verify call (no draft call at all); still exact, since any proposal works as long as
+  drafts are sampled from the very probabilities the test uses. One call per round.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dllm.numerics import forbid_token, sample_from_logits, softmax
+from dllm.stats import DecodeStats
+
+from .canvas import Canvas, block_candidates, call_model
+from .order import choose_window, pick_next
+from .verify import verify
+
+DRAFT_SOURCES = ("marginal", "stale")
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """What one fef round did for its R rows."""
+
+    x: torch.Tensor  # [R, L] the state after the round
+    next_logits: torch.Tensor  # [R, L, V] logits of the copy whose revealed drafts match the new state
+    window: torch.Tensor  # [R, W] window positions
+    drafts: torch.Tensor  # [R, W] drafted tokens
+    num_drafts: torch.Tensor  # [R] drafts verified (window size, cut at a position disagreement)
+    num_accepted: torch.Tensor  # [R]
+    emitted_positions: torch.Tensor  # [R, W + 1], -1 where nothing was emitted
+
+
+def fef(
+    model,
+    prompt: torch.Tensor,  # [B, P]
+    gen_length: int,
+    *,
+    temperature: float,
+    generator: torch.Generator,
+    stats: DecodeStats,
+    block_length: int,
+    order: str = "left_to_right",
+    window: int = 4,
+    draft: str = "marginal",
+    callback=None,
+) -> torch.Tensor:
+    """Decode the answer region with speculative denoising rounds until no mask is left -> [B, P + N]."""
+    canvas = Canvas.start(prompt, gen_length, block_length, model.mask_token_id)
+    stale: torch.Tensor | None = None  # [B, L, V] next round's draft logits per row ("stale" mode)
+    while (rows := canvas.active_rows()).numel():
+        x = canvas.x[rows]
+        fresh = draft == "marginal" or stale is None
+        draft_logits = call_model(model, x, stats) if fresh else stale[rows]
+        result = fef_round(model, x, draft_logits, fresh, canvas.block_ids, temperature, generator, stats,
+                           order=order, window=window)
+        canvas.x[rows] = result.x
+        if draft == "stale":
+            if stale is None:
+                stale = result.next_logits.new_empty((canvas.x.shape[0], *result.next_logits.shape[1:]))
+            stale[rows] = result.next_logits
+        if callback is not None:
+            callback({"sampler": "fef", "rows": rows, "x": result.x, "window": result.window,
+                      "drafts": result.drafts, "num_drafts": result.num_drafts,
+                      "num_accepted": result.num_accepted, "revealed": result.emitted_positions})
+    return canvas.x
+
+
+def fef_round(
+    model,
+    x: torch.Tensor,  # [R, L]
+    draft_logits: torch.Tensor,  # [R, L, V]
+    draft_is_state: bool,  # draft_logits are the model at x itself (then they serve as copy 0)
+    block_ids: torch.Tensor,  # [L]
+    temperature: float,
+    generator: torch.Generator,
+    stats: DecodeStats,
+    *,
+    order: str,
+    window: int,
+) -> RoundResult:
+    """One draft-verify-reveal round for R rows; see the module docstring."""
+    mask_id = model.mask_token_id
+    rows = torch.arange(x.shape[0], device=x.device)
+    positions, count = choose_window(order, draft_logits, block_candidates(x, block_ids, mask_id), mask_id, window)
+    drafts, draft_probs = _draft(draft_logits[rows[:, None], positions], mask_id, temperature, generator)
+
+    copies, copy_index = _build_copies(x, positions, drafts, count, skip_first=draft_is_state)
+    copy_logits = call_model(model, copies, stats, rows=x.shape[0])
+    all_logits = torch.cat([draft_logits, copy_logits]) if draft_is_state else copy_logits
+    all_tokens = torch.cat([x, copies]) if draft_is_state else copies
+    if draft_is_state:  # the draft call was made on x itself: it is copy 0, stored first in all_logits
+        copy_index = torch.where(copy_index >= 0, copy_index + x.shape[0], copy_index)
+        copy_index[:, 0] = rows
+
+    # The position sequential would reveal next in every copy, from that copy's own logits.
+    picks_flat = pick_next(order, all_logits, block_candidates(all_tokens, block_ids, mask_id), mask_id)
+    picks = torch.where(copy_index >= 0, picks_flat[copy_index.clamp(min=0)], -1)  # [R, W + 1]
+    width = positions.shape[1]
+    agree = (picks[:, :width] == positions) | (torch.arange(width, device=x.device) >= count[:, None])
+    num_drafts = torch.minimum(count, (~agree).long().argmax(dim=1) + agree.all(dim=1).long() * width)
+
+    # Target row c < num_drafts: copy c at s_c; row num_drafts: that copy at its own pick (the bonus).
+    target_positions = torch.cat([positions, positions[:, :1]], dim=1)
+    target_positions[rows, num_drafts] = picks[rows, num_drafts].clamp(min=0)
+    has_bonus = picks[rows, num_drafts] >= 0
+    target_logits = forbid_token(all_logits[copy_index.clamp(min=0), target_positions], mask_id)  # [R, W+1, V]
+    greedy = temperature == 0
+    target = target_logits if greedy else softmax(target_logits, temperature)
+    outcome = verify(drafts, draft_probs, target, num_drafts, has_bonus=has_bonus, generator=generator,
+                     greedy=greedy)
+    stats.count_verification(num_drafts, outcome.num_accepted, outcome.num_emitted)
+
+    emitted_positions = torch.where(outcome.tokens >= 0, target_positions, -1)
+    new_x = x.clone()
+    hit = emitted_positions >= 0
+    new_x[rows[:, None].expand_as(hit)[hit], emitted_positions[hit]] = outcome.tokens[hit]
+    next_logits = all_logits[copy_index[rows, outcome.num_accepted]]
+    return RoundResult(new_x, next_logits, positions, drafts, num_drafts, outcome.num_accepted, emitted_positions)
+
+
+def _draft(
+    window_logits: torch.Tensor,  # [R, W, V]
+    mask_id: int,
+    temperature: float,
+    generator: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Independent drafts from the window's marginals -> tokens [R, W], draft_probs [R, W, V] (None if T=0)."""
+    logits = forbid_token(window_logits, mask_id)
+    flat = logits.reshape(-1, logits.shape[-1])
+    tokens = sample_from_logits(flat, temperature, generator).reshape(logits.shape[:2])
+    return tokens, (None if temperature == 0 else softmax(logits, temperature))
+
+
+def _build_copies(
+    x: torch.Tensor,  # [R, L]
+    positions: torch.Tensor,  # [R, W]
+    drafts: torch.Tensor,  # [R, W]
+    count: torch.Tensor,  # [R]
+    skip_first: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copy c of row r reveals drafts 0..c-1, for c = 0 (or 1) .. count[r].
+
+    Returns the copies [N, L] and their index per (row, c) -> [R, W + 1], -1 where no copy was built.
+    Rows build only the copies they need, so ragged windows cost no padding.
+    """
+    width = positions.shape[1]
+    c = torch.arange(width + 1, device=x.device)
+    wanted = (c[None, :] <= count[:, None]) & (c[None, :] >= int(skip_first))  # [R, W + 1]
+    row_of, copy_of = wanted.nonzero(as_tuple=True)
+    copies = x[row_of].clone()
+    reveal = torch.arange(width, device=x.device)[None, :] < copy_of[:, None]  # [N, W]
+    current = copies.gather(1, positions[row_of])
+    copies.scatter_(1, positions[row_of], torch.where(reveal, drafts[row_of], current))
+    index = torch.full(wanted.shape, -1, dtype=torch.long, device=x.device)
+    index[row_of, copy_of] = torch.arange(row_of.numel(), device=x.device)
+    return copies, index

@@ -1,0 +1,163 @@
+"""Every sampler's name, model kind, options with defaults, and validation (done once, at the door)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from dllm.protocols import is_causal_model, is_diffusion_model
+
+from . import ar, fef, masked, sequential
+from .order import ORDERS
+
+MAX_NEW = object()  # default: the value of max_new_tokens
+
+
+@dataclass(frozen=True)
+class Option:
+    """One sampler option: its default and a check that raises a message naming it."""
+
+    default: Any
+    check: Callable[[str, Any], None]
+
+
+@dataclass(frozen=True)
+class SamplerSpec:
+    """A sampler: the function that runs it, the model protocol it needs, and its options."""
+
+    name: str
+    run: Callable[..., Any]
+    model_kind: str  # "diffusion" or "causal"
+    exact: bool  # samples exactly the sequential chain of the model (or of the causal target)
+    options: dict[str, Option]
+
+    def resolve(self, given: dict[str, Any], *, model, max_new_tokens: int) -> dict[str, Any]:
+        """Fill defaults and validate; unknown names and bad values raise naming the option."""
+        unknown = sorted(set(given) - set(self.options) - {"callback"})
+        if unknown:
+            raise TypeError(f"unknown option(s) {unknown} for sampler {self.name!r}; "
+                            f"allowed: {sorted(self.options) + ['callback']}")
+        values = {name: given.get(name, max_new_tokens if opt.default is MAX_NEW else opt.default)
+                  for name, opt in self.options.items()}
+        for name, opt in self.options.items():
+            opt.check(name, values[name])
+        _check_schedule(values, max_new_tokens)
+        _check_drafter(values, model)
+        if values.get("threshold") is not None and values.get("factor") is not None:
+            raise ValueError("fast_dllm takes either threshold or factor, not both")
+        callback = given.get("callback")
+        if callback is not None and not callable(callback):
+            raise TypeError(f"callback must be callable or None, got {type(callback).__name__}")
+        return {**values, "callback": callback}
+
+
+def _int_at_least(minimum: int) -> Callable[[str, Any], None]:
+    def check(name: str, value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if value < minimum:
+            raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return check
+
+
+def _number(low: float, high: float = math.inf, *, low_open: bool = False, optional: bool = False):
+    def check(name: str, value: Any) -> None:
+        if value is None and optional:
+            return
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise TypeError(f"{name} must be a finite number{' or None' if optional else ''}, got {value!r}")
+        if value < low or (low_open and value == low) or value > high:
+            interval = f"{'(' if low_open else '['}{low}, {high}]"
+            raise ValueError(f"{name} must lie in {interval}, got {value}")
+    return check
+
+
+def _optional_int(minimum: int):
+    inner = _int_at_least(minimum)
+    return lambda name, value: None if value is None else inner(name, value)
+
+
+def _choice(choices: tuple[str, ...]):
+    def check(name: str, value: Any) -> None:
+        if value not in choices:
+            raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+    return check
+
+
+def _no_check(name: str, value: Any) -> None:
+    return None
+
+
+def _check_schedule(values: dict[str, Any], max_new_tokens: int) -> None:
+    """block_length must divide max_new_tokens; steps must split evenly over the blocks."""
+    block = values.get("block_length")
+    if block is None:
+        return
+    if max_new_tokens % block:
+        raise ValueError(f"block_length={block} must divide max_new_tokens={max_new_tokens}")
+    blocks = max_new_tokens // block
+    steps = values.get("steps")
+    if steps is not None and (steps < blocks or steps % blocks):
+        raise ValueError(f"steps={steps} must be a positive multiple of the number of blocks "
+                         f"(max_new_tokens / block_length = {blocks})")
+
+
+def _check_drafter(values: dict[str, Any], model) -> None:
+    if "drafter" not in values:
+        return
+    drafter = values["drafter"]
+    if isinstance(drafter, str):
+        if drafter != "ngram":
+            raise ValueError(f"drafter must be 'ngram', a CausalModel or a DiffusionModel, got {drafter!r}")
+        return
+    if not (is_diffusion_model(drafter) or is_causal_model(drafter)):
+        raise TypeError(f"drafter must be 'ngram', a CausalModel or a DiffusionModel, got {type(drafter).__name__}")
+    if drafter.vocab_size != model.vocab_size:
+        raise ValueError(f"drafter vocabulary ({drafter.vocab_size}) differs from the model's ({model.vocab_size}); "
+                         "drafts and targets must share token ids")
+
+
+BLOCK = {"block_length": Option(MAX_NEW, _int_at_least(1))}
+
+SAMPLERS: dict[str, SamplerSpec] = {
+    spec.name: spec
+    for spec in [
+        SamplerSpec("ar", ar.ar, "causal", True, {}),
+        SamplerSpec("ar_spec", ar.ar_spec, "causal", True, {
+            "drafter": Option("ngram", _no_check),
+            "num_draft_tokens": Option(4, _int_at_least(1)),
+            "max_ngram": Option(3, _int_at_least(1)),
+        }),
+        SamplerSpec("llada", masked.llada, "diffusion", False, {
+            **BLOCK,
+            "steps": Option(MAX_NEW, _int_at_least(1)),
+            "remasking": Option("low_confidence", _choice(masked.REMASKING)),
+            "cfg_scale": Option(0.0, _number(0.0)),
+        }),
+        SamplerSpec("dream", masked.dream, "diffusion", False, {
+            **BLOCK,
+            "steps": Option(MAX_NEW, _int_at_least(1)),
+            "alg": Option("maskgit_plus", _choice(masked.DREAM_ALGORITHMS)),
+            "alg_temp": Option(None, _number(0.0, optional=True)),
+            "top_p": Option(None, _number(0.0, 1.0, low_open=True, optional=True)),
+            "top_k": Option(None, _optional_int(1)),
+        }),
+        SamplerSpec("fast_dllm", masked.fast_dllm, "diffusion", False, {
+            **BLOCK,
+            "threshold": Option(None, _number(0.0, 1.0, optional=True)),
+            "factor": Option(None, _number(0.0, low_open=True, optional=True)),
+        }),
+        SamplerSpec("eb", masked.eb, "diffusion", False, {**BLOCK, "gamma": Option(0.01, _number(0.0))}),
+        SamplerSpec("sequential", sequential.sequential, "diffusion", True, {
+            **BLOCK, "order": Option("left_to_right", _choice(ORDERS)),
+        }),
+        SamplerSpec("fef", fef.fef, "diffusion", True, {
+            **BLOCK,
+            "order": Option("left_to_right", _choice(ORDERS)),
+            "window": Option(4, _int_at_least(1)),
+            "draft": Option("marginal", _choice(fef.DRAFT_SOURCES)),
+        }),
+    ]
+}
