@@ -10,9 +10,12 @@ from typing import Any
 
 import torch
 
-from dllm.protocols import is_causal_model, is_diffusion_model
+from dllm.protocols import accepts_attention_mask, is_causal_model, is_diffusion_model
 from dllm.samplers import SAMPLERS, SamplerSpec
 from dllm.stats import DecodeStats
+
+
+APPROXIMATE_CACHES = ("prefix", "dual")  # Fast-dLLM caches: cached keys go stale, outputs drift
 
 
 @dataclass
@@ -23,7 +26,7 @@ class GenerateOutput:
     stats: DecodeStats
     sampler: str
     options: dict[str, Any] = field(default_factory=dict)  # every option, defaults filled in
-    exact: bool = True  # False for samplers that only approximate the sequential chain
+    exact: bool = True  # False for samplers that only approximate the sequential chain, or approximate caches
     seed: int | None = None  # the seed of the generator generate made, when none was given
 
 
@@ -34,6 +37,8 @@ def generate(
     max_new_tokens: int = 64,
     temperature: float = 1.0,
     generator: torch.Generator | None = None,
+    attention_mask: torch.Tensor | None = None,
+    eos_token_id: int | None | str = "model",
     **options: Any,
 ) -> GenerateOutput:
     """Generate ``max_new_tokens`` tokens after ``input_ids`` [B, P] with the named sampler.
@@ -42,6 +47,9 @@ def generate(
     (``ar``, ``ar_spec``). ``temperature`` 0 is greedy. Sampler options are listed in
     ``dllm.samplers.SAMPLERS`` (e.g. ``window``, ``order``, ``block_length`` for fef). Without a
     ``generator`` a fresh one is seeded from the OS and its seed returned in ``GenerateOutput.seed``.
+    ``attention_mask`` [B, P] (1 = token, 0 = left padding) allows ragged prompts for models that accept
+    it. Rows stop at ``eos_token_id`` (default: the model's ``eos_token_id`` attribute, if any; None
+    disables); tokens after a row's first EOS are filled with EOS and not counted as generated.
     """
     spec = _check_sampler(sampler)
     _check_model(model, spec)
@@ -54,19 +62,33 @@ def generate(
         generator = torch.Generator(device=input_ids.device).manual_seed(seed)
     elif not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    attention_mask = _check_attention_mask(attention_mask, input_ids, model)
+    if eos_token_id == "model":
+        eos_token_id = getattr(model, "eos_token_id", None)
+    if eos_token_id is not None:
+        _check_int("eos_token_id", eos_token_id, minimum=0)
     resolved = spec.resolve(options, model=model, max_new_tokens=max_new_tokens)
 
     stats = DecodeStats()
     _synchronize(input_ids.device)
     start = time.perf_counter()
     sequences = spec.run(model, input_ids, max_new_tokens, temperature=temperature, generator=generator,
-                         stats=stats, **resolved)
+                         stats=stats, attention_mask=attention_mask, eos_token_id=eos_token_id, **resolved)
     _synchronize(input_ids.device)
     stats.wall_time_s = time.perf_counter() - start
+    if eos_token_id is not None:
+        stats.new_tokens = int(answer_lengths(sequences[:, input_ids.shape[1] :], eos_token_id).sum())
     shown = {k: v for k, v in resolved.items() if k != "callback"}
     if "drafter" in shown and not isinstance(shown["drafter"], str):
         shown["drafter"] = type(shown["drafter"]).__name__
-    return GenerateOutput(sequences, stats, sampler, shown, spec.exact, seed)
+    exact = spec.exact and shown.get("cache") not in APPROXIMATE_CACHES
+    return GenerateOutput(sequences, stats, sampler, shown, exact, seed)
+
+
+def answer_lengths(answers: torch.Tensor, eos_token_id: int) -> torch.Tensor:
+    """Generated tokens per row up to and including the first EOS (all of them without one) -> [B]."""
+    is_eos = answers == eos_token_id
+    return torch.where(is_eos.any(dim=1), is_eos.long().argmax(dim=1) + 1, answers.shape[1])
 
 
 def _check_sampler(sampler: str) -> SamplerSpec:
@@ -107,6 +129,28 @@ def _check_input_ids(input_ids, model, spec: SamplerSpec) -> None:
     mask_id = getattr(model, "mask_token_id", None)
     if spec.model_kind == "diffusion" and bool((input_ids == mask_id).any()):
         raise ValueError(f"input_ids must not contain the mask token (id {mask_id}) in the prompt")
+
+
+def _check_attention_mask(attention_mask, input_ids: torch.Tensor, model) -> torch.Tensor | None:
+    """A [B, P] 0/1 mask of left padding; None when absent or all ones (no padding to honour)."""
+    if attention_mask is None:
+        return None
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask must be a tensor shaped like input_ids {tuple(input_ids.shape)}, got "
+                         f"{getattr(attention_mask, 'shape', type(attention_mask).__name__)}")
+    mask = attention_mask.long()
+    if bool(((mask != 0) & (mask != 1)).any()):
+        raise ValueError("attention_mask must hold only 0 (padding) and 1 (token)")
+    if bool((mask[:, 1:] < mask[:, :-1]).any()):
+        raise ValueError("attention_mask must be left padding: zeros before the first token, ones after")
+    if bool((mask.sum(dim=1) == 0).any()):
+        raise ValueError("attention_mask leaves a row with no token; every prompt needs at least one")
+    if bool(mask.all()):
+        return None
+    if not accepts_attention_mask(model):
+        raise ValueError(f"{type(model).__name__} does not accept attention_mask (no accepts_attention_mask "
+                         "attribute), so padded prompts would be read as tokens; pass equal-length prompts")
+    return mask
 
 
 def _check_temperature(temperature) -> None:

@@ -43,3 +43,37 @@ def is_diffusion_model(model: object) -> bool:
 def is_causal_model(model: object) -> bool:
     """True for a callable with a vocabulary and no mask token (the CausalModel protocol)."""
     return callable(model) and hasattr(model, "vocab_size") and not is_diffusion_model(model)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Optional capabilities. Samplers look them up with getattr and use them only when present; each must
+# give the same answer as the plain call (up to floating point) unless it says it is approximate.
+#
+# attention_mask (ragged prompts): a model whose attribute ``accepts_attention_mask`` is True is called
+#   as ``model(input_ids, attention_mask=mask)`` with mask [N, L] of 0/1 (0 = left padding). It derives
+#   position ids from the mask (0 at each row's first real token). Without it, padded batches are refused.
+#
+# block_size (block-causal diffusion models): a model with an int ``block_size`` attends bidirectionally
+#   inside blocks and causally across them; samplers call it with ``block_offset=`` a LongTensor [N],
+#   the answer's first position per row in position-id coordinates, so model blocks line up with the
+#   sampler's blocks (which start at the answer). The sampler's block_length must equal block_size for
+#   the exact block cache.
+#
+# KV cache: ``model.new_cache()`` returns a cache with ``.length`` (int), ``.crop(length: int)`` (in place)
+#   and ``.select(rows: LongTensor) -> cache``. ``model.forward_cached(input_ids [N, n], cache, *,
+#   rows=None, append=True, attention_mask=None, block_offset=None) -> logits [N, n, V]`` runs the new
+#   tokens against the cached prefix (positions continue after it). With ``append`` the cache grows by
+#   the new tokens (rows must be None); otherwise ``rows`` [N] names the cache row serving each input
+#   (several copies may share one row) and the cache is left unchanged. ``attention_mask`` [N, length + n]
+#   covers cached plus new keys. ``model.cache_exact`` (bool) says whether cached logits equal uncached
+#   ones: True for causal models, and for block-causal models while the cache holds only whole blocks
+#   before the inputs' block; False for bidirectional models (a Fast-dLLM-style approximation, opt-in).
+# ---------------------------------------------------------------------------------------------------------
+
+
+def accepts_attention_mask(model: object) -> bool:
+    return bool(getattr(model, "accepts_attention_mask", False))
+
+
+def has_cache(model: object) -> bool:
+    return callable(getattr(model, "forward_cached", None)) and callable(getattr(model, "new_cache", None))

@@ -18,64 +18,135 @@ from __future__ import annotations
 import torch
 
 from dllm.numerics import forbid_token, sample_from_logits, softmax
-from dllm.protocols import is_diffusion_model
+from dllm.protocols import has_cache, is_diffusion_model
 from dllm.stats import DecodeStats
 
-from .canvas import call_model
+from .canvas import Caller
 from .verify import verify
 
 
-def ar(model, prompt, gen_length, *, temperature, generator, stats: DecodeStats, callback=None) -> torch.Tensor:
+def ar(
+    model, prompt, gen_length, *, temperature, generator, stats: DecodeStats, cache="auto", attention_mask=None,
+    eos_token_id=None, callback=None,
+) -> torch.Tensor:
     """One token per call from the next-token distribution -> [B, P + N]."""
-    seq = prompt.long()
-    for _ in range(gen_length):
-        logits = call_model(model, seq, stats)[:, -1]
+    batch, prompt_len = prompt.shape
+    seq = _buffer(prompt, gen_length, eos_token_id)
+    caller = Caller(model, stats, attention_mask=_full_mask(attention_mask, batch, seq.shape[1] + 1, prompt.device))
+    rows = torch.arange(batch, device=prompt.device)
+    kv = model.new_cache() if _use_cache(cache, model) else None
+    for t in range(gen_length):
+        end = prompt_len + t
+        if kv is None:
+            logits = caller(seq[rows, :end], rows, served=len(rows))[:, -1]
+        else:
+            start = kv.length
+            logits = caller.cached(seq[rows, start:end], kv, rows, served=len(rows), keys=slice(0, end),
+                                   append=True)[:, -1]
         token = sample_from_logits(logits, temperature, generator)
-        seq = torch.cat([seq, token[:, None]], dim=1)
+        seq[rows, end] = token
         stats.count_round(torch.ones_like(token))
         if callback is not None:
-            callback({"sampler": "ar", "rows": torch.arange(seq.shape[0]), "x": seq})
+            callback({"sampler": "ar", "rows": rows, "x": seq[rows, : end + 1]})
+        if eos_token_id is not None and bool((token == eos_token_id).any()):
+            keep = token != eos_token_id
+            rows = rows[keep]
+            kv = kv.select(keep.nonzero().squeeze(-1)) if kv is not None and rows.numel() else kv
+            if not rows.numel():
+                break
     return seq
 
 
 def ar_spec(
     model, prompt, gen_length, *, temperature, generator, stats: DecodeStats, drafter="ngram",
-    num_draft_tokens=4, max_ngram=3, callback=None,
+    num_draft_tokens=4, max_ngram=3, cache="auto", attention_mask=None, eos_token_id=None, callback=None,
 ) -> torch.Tensor:
     """Speculative decoding against the causal target ``model`` -> [B, P + N]."""
     batch, prompt_len = prompt.shape
     total = prompt_len + gen_length
-    seq = torch.zeros((batch, total), dtype=torch.long, device=prompt.device)
-    seq[:, :prompt_len] = prompt
+    seq = _buffer(prompt, gen_length, eos_token_id)
+    full_mask = _full_mask(attention_mask, batch, total + num_draft_tokens + 1, prompt.device)
+    caller = Caller(model, stats, attention_mask=full_mask)
+    draft_caller = Caller(drafter, stats, attention_mask=full_mask, draft=True)
     lengths = torch.full((batch,), prompt_len, dtype=torch.long, device=prompt.device)
-    while (rows := (lengths < total).nonzero().squeeze(-1)).numel():
+    rows = torch.arange(batch, device=prompt.device)
+    kv = model.new_cache() if _use_cache(cache, model) else None  # holds [0, min(len) - 1) of every row
+    while rows.numel():
         length = lengths[rows]
         num_drafts = torch.clamp(total - length - 1, max=num_draft_tokens)  # leave room for the bonus
         drafts, draft_probs, num_drafts = _draft(
-            drafter, seq[rows], length, num_drafts, num_draft_tokens, temperature, generator, stats, max_ngram
+            drafter, draft_caller, seq[rows], rows, length, num_drafts, num_draft_tokens, temperature, generator,
+            max_ngram,
         )
-        target = _target_rows(model, seq[rows], length, drafts, stats)  # [R, K + 1, V]
+        target = _target_rows(caller, kv, seq[rows], rows, length, drafts)  # [R, K + 1, V]
         greedy = temperature == 0
         outcome = verify(drafts, draft_probs, target if greedy else softmax(target, temperature), num_drafts,
                          generator=generator, greedy=greedy)
         stats.count_verification(num_drafts, outcome.num_accepted, outcome.num_emitted)
+        emitted, stopped = _cut_at_eos(outcome.tokens, outcome.num_emitted, eos_token_id)
         offsets = torch.arange(outcome.tokens.shape[1], device=seq.device)
-        hit = outcome.tokens >= 0
-        row_index = rows[:, None].expand_as(hit)[hit]
-        seq[row_index, (length[:, None] + offsets)[hit]] = outcome.tokens[hit]
-        lengths[rows] += outcome.num_emitted
+        hit = offsets[None, :] < emitted[:, None]
+        seq[rows[:, None].expand_as(hit)[hit], (length[:, None] + offsets)[hit]] = outcome.tokens[hit]
+        lengths[rows] += emitted
         if callback is not None:
             callback({"sampler": "ar_spec", "rows": rows, "x": seq[rows], "drafts": drafts,
                       "num_drafts": num_drafts, "num_accepted": outcome.num_accepted})
+        keep = (lengths[rows] < total) & ~stopped
+        rows = rows[keep]
+        if kv is not None and rows.numel():
+            if not bool(keep.all()):
+                kv = kv.select(keep.nonzero().squeeze(-1))
+            kv.crop(int(lengths[rows].min()) - 1)
     return seq
 
 
-def _target_rows(model, seq: torch.Tensor, length: torch.Tensor, drafts: torch.Tensor, stats) -> torch.Tensor:
-    """Target logits for each draft position and the bonus: one call on sequence + drafts -> [R, K + 1, V]."""
+def _use_cache(cache: str, model) -> bool:
+    """The KV cache is exact for causal models, so ``auto`` uses it whenever the model has one."""
+    return cache != "none" and has_cache(model)
+
+
+def _buffer(prompt: torch.Tensor, gen_length: int, eos_token_id: int | None) -> torch.Tensor:
+    """[B, P + N] holding the prompt, then EOS (or 0) where rows stop early."""
+    seq = torch.full((prompt.shape[0], prompt.shape[1] + gen_length), eos_token_id or 0, dtype=torch.long,
+                     device=prompt.device)
+    seq[:, : prompt.shape[1]] = prompt
+    return seq
+
+
+def _full_mask(attention_mask, batch: int, length: int, device) -> torch.Tensor | None:
+    """The prompt's padding mask extended with ones to ``length`` positions -> [B, length] or None."""
+    if attention_mask is None:
+        return None
+    full = torch.ones((batch, length), dtype=torch.long, device=device)
+    full[:, : attention_mask.shape[1]] = attention_mask
+    return full
+
+
+def _cut_at_eos(tokens: torch.Tensor, num_emitted: torch.Tensor, eos_token_id: int | None):
+    """Emitted counts cut just after the first EOS among each row's emitted tokens, and which rows
+    emitted one -> ([R], bool [R])."""
+    if eos_token_id is None:
+        return num_emitted, torch.zeros_like(num_emitted, dtype=torch.bool)
+    offsets = torch.arange(tokens.shape[1], device=tokens.device)
+    is_eos = (tokens == eos_token_id) & (offsets[None, :] < num_emitted[:, None])
+    stopped = is_eos.any(dim=1)
+    return torch.where(stopped, is_eos.long().argmax(dim=1) + 1, num_emitted), stopped
+
+
+def _target_rows(caller: Caller, kv, seq, rows, length, drafts) -> torch.Tensor:
+    """Target logits for each draft position and the bonus: one call on sequence + drafts -> [R, K + 1, V].
+
+    With a cache holding [0, c), only tokens from c on are fed (each row's unverified tail and drafts).
+    """
     width = drafts.shape[1]
-    extended = _append(seq, length, drafts)
-    logits = call_model(model, extended[:, : int(length.max()) + width], stats)
-    at = length[:, None] - 1 + torch.arange(width + 1, device=seq.device)  # position t predicts t + 1
+    extended = _append(seq, length, drafts)[:, : int(length.max()) + width]
+    start = 0 if kv is None else kv.length
+    if kv is None:
+        logits = caller(extended, rows, served=len(rows))
+    else:
+        logits = caller.cached(extended[:, start:], kv, rows, served=len(rows), keys=slice(0, extended.shape[1]),
+                               append=True)
+    at = length[:, None] - 1 - start + torch.arange(width + 1, device=seq.device)  # position t predicts t + 1
     return logits[torch.arange(seq.shape[0], device=seq.device)[:, None], at]
 
 
@@ -83,45 +154,45 @@ def _append(seq: torch.Tensor, length: torch.Tensor, tokens: torch.Tensor) -> to
     """Each row's sequence with ``tokens`` [R, K] written after its end -> [R, max(len) + K] (right padded)."""
     width = tokens.shape[1]
     out = torch.zeros((seq.shape[0], int(length.max()) + width), dtype=torch.long, device=seq.device)
-    out[:, : seq.shape[1]] = seq[:, : out.shape[1]]
+    out[:, : min(seq.shape[1], out.shape[1])] = seq[:, : out.shape[1]]
     at = length[:, None] + torch.arange(width, device=seq.device)
     out.scatter_(1, at, tokens)
     return out
 
 
-def _draft(drafter, seq, length, num_drafts, width, temperature, generator, stats, max_ngram):
+def _draft(drafter, caller, seq, rows, length, num_drafts, width, temperature, generator, max_ngram):
     """Drafts [R, K], draft_probs [R, K, V] or None (point masses), valid drafts per row [R]."""
     if isinstance(drafter, str):
         drafts, found = _ngram_drafts(seq, length, num_drafts, width, max_ngram)
         return drafts, None, found
     if is_diffusion_model(drafter):
-        logits = _diffusion_draft_logits(drafter, seq, length, width, stats)
+        logits = _diffusion_draft_logits(drafter, caller, seq, rows, length, width)
         flat = logits.reshape(-1, logits.shape[-1])
         drafts = sample_from_logits(flat, temperature, generator).reshape(logits.shape[:2])
         return drafts, (None if temperature == 0 else softmax(logits, temperature)), num_drafts
-    drafts, probs = _causal_drafts(drafter, seq, length, width, temperature, generator, stats)
+    drafts, probs = _causal_drafts(caller, seq, rows, length, width, temperature, generator)
     return drafts, probs, num_drafts
 
 
-def _diffusion_draft_logits(drafter, seq, length, width, stats) -> torch.Tensor:
+def _diffusion_draft_logits(drafter, caller, seq, rows, length, width) -> torch.Tensor:
     """Marginals of a diffusion drafter at the next ``width`` positions, from one call -> [R, K, V]."""
     size = seq.shape[1] + width  # prompt + max_new_tokens + K: fixed, so a row's drafts ignore the batch
     canvas = torch.full((seq.shape[0], size), drafter.mask_token_id, dtype=torch.long, device=seq.device)
-    keep = torch.arange(size, device=seq.device)[None, :] < length[:, None]
-    canvas[:, : seq.shape[1]] = torch.where(keep[:, : seq.shape[1]], seq, canvas[:, : seq.shape[1]])
-    logits = call_model(drafter, canvas, stats, draft=True)
+    keep = torch.arange(seq.shape[1], device=seq.device)[None, :] < length[:, None]
+    canvas[:, : seq.shape[1]] = torch.where(keep, seq, canvas[:, : seq.shape[1]])
+    logits = caller(canvas, rows, served=len(rows))
     at = length[:, None] + torch.arange(width, device=seq.device)
     return forbid_token(logits[torch.arange(seq.shape[0], device=seq.device)[:, None], at], drafter.mask_token_id)
 
 
-def _causal_drafts(drafter, seq, length, width, temperature, generator, stats):
+def _causal_drafts(caller, seq, rows, length, width, temperature, generator):
     """``width`` sequential draft calls of a causal drafter -> (drafts [R, K], draft_probs [R, K, V] | None)."""
-    rows = torch.arange(seq.shape[0], device=seq.device)
+    index = torch.arange(seq.shape[0], device=seq.device)
     drafts = torch.zeros((seq.shape[0], width), dtype=torch.long, device=seq.device)
     probs = []
     for j in range(width):
         extended = _append(seq, length, drafts[:, :j])
-        logits = call_model(drafter, extended, stats, draft=True)[rows, length + j - 1]
+        logits = caller(extended, rows, served=len(rows))[index, length + j - 1]
         drafts[:, j] = sample_from_logits(logits, temperature, generator)
         if temperature > 0:
             probs.append(softmax(logits, temperature))

@@ -1,50 +1,80 @@
-"""The state shared by the masked-diffusion samplers: the token canvas and its block schedule."""
+"""What the masked-diffusion samplers share: the token canvas, its blocks, and how the model is called.
+
+Decoding is block-synchronous: block k of every row is finished before any row starts block k + 1
+(rows that finish a block early wait and cost nothing). A *session* hands each step a *view* of the
+active rows: their tokens, the active block's positions inside the view, and a ``call`` that runs the
+model on tokens shaped like the view (copies included). Three sessions:
+
+- ``full``: every call sees the whole sequence (prompt + answer). Always exact.
+- ``block``: a KV cache holds the prompt and finished blocks; calls cover the active block only. Exact
+  for models whose cache is exact there (causal across blocks: ``cache_exact`` and ``block_size``).
+- ``prefix``: Fast-dLLM's prefix cache: at each block start one full call fills the cache, which keeps
+  the prefix's keys; calls cover the active block and everything after it. An approximation for
+  bidirectional models (cached keys never see later updates), so opt-in only.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from dllm.stats import DecodeStats
 
+CACHE_MODES = ("auto", "none", "block", "prefix", "dual")
+
 
 @dataclass
 class Canvas:
-    """Prompt plus a masked answer region, decoded block by block (semi-autoregressively).
-
-    ``x`` [B, P + N] holds the prompt and the answer; answer positions are split into blocks of
-    ``block_length``. A row's active block is the block of its leftmost masked answer position, so rows
-    may sit in different blocks when they accept different numbers of tokens.
-    """
+    """Prompt plus a masked answer region [B, P + N], decoded in blocks of ``block_length``."""
 
     x: torch.Tensor  # [B, L]
     prompt_length: int
     block_length: int
     mask_token_id: int
+    eos_token_id: int | None = None
+    finished: torch.Tensor | None = None  # [B] rows that stopped at EOS
 
     @classmethod
-    def start(cls, prompt: torch.Tensor, gen_length: int, block_length: int, mask_token_id: int) -> Canvas:
+    def start(cls, prompt: torch.Tensor, gen_length: int, block_length: int, mask_token_id: int,
+              eos_token_id: int | None = None) -> Canvas:
         answer = torch.full((prompt.shape[0], gen_length), mask_token_id, dtype=torch.long, device=prompt.device)
-        return cls(torch.cat([prompt.long(), answer], dim=1), prompt.shape[1], block_length, mask_token_id)
-
-    @property
-    def block_ids(self) -> torch.Tensor:
-        """[L] block index of every position; -1 on the prompt."""
-        positions = torch.arange(self.x.shape[1], device=self.x.device) - self.prompt_length
-        return torch.where(positions >= 0, positions // self.block_length, torch.full_like(positions, -1))
+        finished = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
+        return cls(torch.cat([prompt.long(), answer], dim=1), prompt.shape[1], block_length, mask_token_id,
+                   eos_token_id, finished)
 
     @property
     def num_blocks(self) -> int:
         return (self.x.shape[1] - self.prompt_length) // self.block_length
 
-    def active_rows(self) -> torch.Tensor:
-        """Indices of rows with masked positions left -> [R]."""
-        return (self.x == self.mask_token_id).any(dim=1).nonzero().squeeze(-1)
+    def span(self, block: int) -> tuple[int, int]:
+        """Canvas positions [start, end) of a block."""
+        start = self.prompt_length + block * self.block_length
+        return start, start + self.block_length
 
-    def candidates(self, x: torch.Tensor) -> torch.Tensor:
-        """Masked positions of each row's active block in ``x`` [R, L] -> bool [R, L]."""
-        return block_candidates(x, self.block_ids, self.mask_token_id)
+    def rows_in_block(self, block: int) -> torch.Tensor:
+        """Unfinished rows with masked positions left in ``block`` -> [R]."""
+        start, end = self.span(block)
+        pending = (self.x[:, start:end] == self.mask_token_id).any(dim=1) & ~self.finished
+        return pending.nonzero().squeeze(-1)
+
+    def stop_at_eos(self, rows: torch.Tensor) -> None:
+        """Finish rows whose first revealed EOS has no mask before it; everything after it becomes EOS.
+
+        Tokens after the first EOS are not part of the answer, so stopping there keeps every sampler's
+        answer distribution unchanged while the row stops costing calls.
+        """
+        if self.eos_token_id is None or not rows.numel():
+            return
+        answer = self.x[rows, self.prompt_length :]
+        is_eos = answer == self.eos_token_id
+        first = torch.where(is_eos.any(dim=1), is_eos.long().argmax(dim=1), answer.shape[1])
+        before = torch.arange(answer.shape[1], device=answer.device)[None, :] < first[:, None]
+        done = is_eos.any(dim=1) & ~((answer == self.mask_token_id) & before).any(dim=1)
+        answer = torch.where(done[:, None] & ~before, self.eos_token_id, answer)
+        self.x[rows, self.prompt_length :] = answer
+        self.finished[rows] |= done
 
 
 def block_candidates(x: torch.Tensor, block_ids: torch.Tensor, mask_token_id: int) -> torch.Tensor:
@@ -55,23 +85,204 @@ def block_candidates(x: torch.Tensor, block_ids: torch.Tensor, mask_token_id: in
     return masked & (block_ids[None, :] == active[:, None])
 
 
-def call_model(
-    model, input_ids: torch.Tensor, stats: DecodeStats, draft: bool = False, rows: int | None = None
-) -> torch.Tensor:
-    """One counted model call serving ``rows`` sequences: ``input_ids`` [N, L] -> logits [N, L, V]."""
-    stats.count_call(input_ids, draft=draft, rows=rows)
-    logits = model(input_ids)
-    if logits.shape[:2] != input_ids.shape:
-        raise ValueError(
-            f"model returned logits of shape {tuple(logits.shape)} for input_ids {tuple(input_ids.shape)}; "
-            "expected [B, L, V]"
-        )
+@dataclass
+class Caller:
+    """Counts and runs model calls, adding the per-row keyword arguments the model's capabilities need."""
+
+    model: object
+    stats: DecodeStats
+    attention_mask: torch.Tensor | None = None  # [B, L_max] 0/1, left padding of ragged prompts
+    block_offset: torch.Tensor | None = None  # [B] answer start in position-id coordinates
+    draft: bool = False
+
+    def kwargs(self, rows: torch.Tensor, keys: slice) -> dict:
+        """Keyword arguments for inputs of ``rows`` [N] covering canvas key positions ``keys``."""
+        out = {}
+        if self.attention_mask is not None:
+            out["attention_mask"] = self.attention_mask[rows, keys]
+        if self.block_offset is not None:
+            out["block_offset"] = self.block_offset[rows]
+        return out
+
+    def __call__(self, input_ids: torch.Tensor, rows: torch.Tensor, served: int) -> torch.Tensor:
+        """Plain call on full-length inputs [N, L] of canvas rows ``rows`` [N], serving ``served`` rows."""
+        self.stats.count_call(input_ids, draft=self.draft, rows=served)
+        logits = self.model(input_ids, **self.kwargs(rows, slice(0, input_ids.shape[1])))
+        return check_logits(logits, input_ids)
+
+    def cached(self, input_ids, cache, batch_rows, served: int, keys: slice, **extra) -> torch.Tensor:
+        """``forward_cached`` on inputs [N, n] of canvas rows ``batch_rows`` [N]; ``keys`` are the canvas
+        positions of cached + new keys; ``extra`` goes to forward_cached (rows=, append=)."""
+        self.stats.count_call(input_ids, draft=self.draft, rows=served)
+        logits = self.model.forward_cached(input_ids, cache, **self.kwargs(batch_rows, keys), **extra)
+        return check_logits(logits, input_ids)
+
+
+def check_logits(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    if logits.dim() != 3 or logits.shape[:2] != input_ids.shape:
+        raise ValueError(f"model returned logits of shape {tuple(logits.shape)} for input_ids "
+                         f"{tuple(input_ids.shape)}; expected [B, L, V]")
     return logits
 
 
-def masked_logits(logits: torch.Tensor, mask_token_id: int) -> torch.Tensor:
-    """Logits with the mask token forbidden, as float32 or wider -> same shape."""
-    out = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits.clone()
-    if mask_token_id < out.shape[-1]:
-        out[..., mask_token_id] = float("-inf")
-    return out
+@dataclass
+class View:
+    """What one step sees of R active rows: tokens, the active block inside them, and a model call."""
+
+    x: torch.Tensor  # [R, Ls] tokens from canvas position ``offset`` on
+    region: torch.Tensor  # [Ls] bool, the active block
+    rows: torch.Tensor  # [R] canvas rows
+    offset: int
+    prompt_length: int  # prompt positions inside the view (0 when the view starts after the prompt)
+    mask_token_id: int
+    call: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (tokens [N, Ls], which [N] in 0..R-1)
+
+    def candidates(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Masked positions of the active block in ``tokens`` [N, Ls] -> bool [N, Ls]."""
+        return (tokens == self.mask_token_id) & self.region[None, :]
+
+
+class FullSession:
+    """Every call sees the whole sequence."""
+
+    exact = True
+
+    def __init__(self, canvas: Canvas, caller: Caller):
+        self.canvas, self.caller = canvas, caller
+
+    def begin_block(self, block: int) -> None:
+        self.block = block
+
+    def view(self, rows: torch.Tensor) -> View:
+        start, end = self.canvas.span(self.block)
+        length = self.canvas.x.shape[1]
+        region = (torch.arange(length, device=rows.device) >= start) & (torch.arange(length, device=rows.device) < end)
+
+        def call(tokens: torch.Tensor, which: torch.Tensor) -> torch.Tensor:
+            return self.caller(tokens, rows[which], served=int(which.unique().numel()))
+
+        return View(self.canvas.x[rows], region, rows, 0, self.canvas.prompt_length, self.canvas.mask_token_id, call)
+
+
+class BlockCacheSession:
+    """Prompt and finished blocks live in a KV cache; calls cover the active block only (exact for a
+    model whose attention is causal across blocks)."""
+
+    exact = True
+
+    def __init__(self, canvas: Canvas, caller: Caller):
+        self.canvas, self.caller = canvas, caller
+        self.cache = caller.model.new_cache()
+        self.cached_until = 0  # canvas positions [0, cached_until) are in the cache
+
+    def begin_block(self, block: int) -> None:
+        self.block = block
+        start, _ = self.canvas.span(block)
+        if start > self.cached_until:  # append the prompt (block 0) or the block just finished
+            rows = torch.arange(self.canvas.x.shape[0], device=self.canvas.x.device)
+            chunk = self.canvas.x[:, self.cached_until : start]
+            self.caller.cached(chunk, self.cache, rows, served=len(rows), keys=slice(0, start), append=True)
+            self.cached_until = start
+
+    def view(self, rows: torch.Tensor) -> View:
+        start, end = self.canvas.span(self.block)
+        region = torch.ones(end - start, dtype=torch.bool, device=rows.device)
+
+        def call(tokens: torch.Tensor, which: torch.Tensor) -> torch.Tensor:
+            return self.caller.cached(tokens, self.cache, rows[which], served=int(which.unique().numel()),
+                                      keys=slice(0, end), rows=rows[which], append=False)
+
+        return View(self.canvas.x[rows, start:end], region, rows, start, 0, self.canvas.mask_token_id, call)
+
+
+class PrefixCacheSession:
+    """Fast-dLLM prefix cache (approximate): one full call per block fills the cache; steps then run the
+    active block and the rest of the sequence against the prefix's cached keys."""
+
+    exact = False
+
+    def __init__(self, canvas: Canvas, caller: Caller):
+        self.canvas, self.caller = canvas, caller
+
+    def begin_block(self, block: int) -> None:
+        self.block = block
+        start, _ = self.canvas.span(block)
+        rows = torch.arange(self.canvas.x.shape[0], device=self.canvas.x.device)
+        self.cache = self.caller.model.new_cache()
+        length = self.canvas.x.shape[1]
+        self.caller.cached(self.canvas.x, self.cache, rows, served=len(rows), keys=slice(0, length), append=True)
+        self.cache.crop(start)
+
+    def view(self, rows: torch.Tensor) -> View:
+        start, end = self.canvas.span(self.block)
+        length = self.canvas.x.shape[1]
+        region = torch.arange(length - start, device=rows.device) < end - start
+
+        def call(tokens: torch.Tensor, which: torch.Tensor) -> torch.Tensor:
+            return self.caller.cached(tokens, self.cache, rows[which], served=int(which.unique().numel()),
+                                      keys=slice(0, length), rows=rows[which], append=False)
+
+        return View(self.canvas.x[rows, start:], region, rows, start, 0, self.canvas.mask_token_id, call)
+
+
+class DualCacheSession(PrefixCacheSession):
+    """Fast-dLLM dual cache (approximate): the block-start call caches the prefix AND the masked suffix;
+    steps run the active block only. Needs a cache with ``drop(start, end)`` and ``position_ids`` support."""
+
+    def begin_block(self, block: int) -> None:
+        self.block = block
+        start, end = self.canvas.span(block)
+        rows = torch.arange(self.canvas.x.shape[0], device=self.canvas.x.device)
+        self.cache = self.caller.model.new_cache()
+        length = self.canvas.x.shape[1]
+        self.caller.cached(self.canvas.x, self.cache, rows, served=len(rows), keys=slice(0, length), append=True)
+        self.cache = self.cache.drop(start, end)
+
+    def view(self, rows: torch.Tensor) -> View:
+        start, end = self.canvas.span(self.block)
+        length = self.canvas.x.shape[1]
+        region = torch.ones(end - start, dtype=torch.bool, device=rows.device)
+        positions = self.positions[:, start:end]
+
+        def call(tokens: torch.Tensor, which: torch.Tensor) -> torch.Tensor:
+            # The new tokens' mask columns are the last ones of keys=[0, L): answer positions, all ones.
+            return self.caller.cached(tokens, self.cache, rows[which], served=int(which.unique().numel()),
+                                      keys=slice(0, length), rows=rows[which], append=False,
+                                      position_ids=positions[rows[which]])
+
+        return View(self.canvas.x[rows, start:end], region, rows, start, 0, self.canvas.mask_token_id, call)
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """Position ids of every canvas position (0 at each row's first real token) -> [B, L]."""
+        mask = self.caller.attention_mask
+        if mask is None:
+            return torch.arange(self.canvas.x.shape[1], device=self.canvas.x.device).expand_as(self.canvas.x)
+        return (mask.cumsum(dim=1) - 1).clamp(min=0)
+
+
+SESSIONS = {"none": FullSession, "block": BlockCacheSession, "prefix": PrefixCacheSession, "dual": DualCacheSession}
+
+
+def decode(canvas: Canvas, session, stepper, callback=None) -> torch.Tensor:
+    """Run ``stepper`` over every block until each row's block is revealed (or the row hit EOS)."""
+    for block in range(canvas.num_blocks):
+        session.begin_block(block)
+        stepper.begin_block(block)
+        while (rows := canvas.rows_in_block(block)).numel():
+            view = session.view(rows)
+            new_x, info = stepper.step(view)
+            canvas.x[rows, view.offset : view.offset + new_x.shape[1]] = new_x
+            canvas.stop_at_eos(rows)
+            if callback is not None:
+                callback({**info, "rows": rows, "x": canvas.x[rows], "offset": view.offset})
+    return canvas.x
+
+
+def choose_session(cache: str, model, block_length: int) -> str:
+    """Resolve the ``cache`` option: ``auto`` takes the exact block cache when the model offers one."""
+    if cache != "auto":
+        return cache
+    exact_blocks = bool(getattr(model, "cache_exact", False)) and getattr(model, "block_size", None) == block_length
+    has_cache = callable(getattr(model, "forward_cached", None)) and callable(getattr(model, "new_cache", None))
+    return "block" if exact_blocks and has_cache else "none"

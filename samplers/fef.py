@@ -33,7 +33,7 @@ import torch
 from dllm.numerics import forbid_token, sample_from_logits, softmax
 from dllm.stats import DecodeStats
 
-from .canvas import Canvas, block_candidates, call_model
+from .canvas import View
 from .order import choose_window, pick_next
 from .verify import verify
 
@@ -44,8 +44,8 @@ DRAFT_SOURCES = ("marginal", "stale")
 class RoundResult:
     """What one fef round did for its R rows."""
 
-    x: torch.Tensor  # [R, L] the state after the round
-    next_logits: torch.Tensor  # [R, L, V] logits of the copy whose revealed drafts match the new state
+    x: torch.Tensor  # [R, Ls] the view's tokens after the round
+    next_logits: torch.Tensor  # [R, Ls, V] logits of the copy whose revealed drafts match the new state
     window: torch.Tensor  # [R, W] window positions
     drafts: torch.Tensor  # [R, W] drafted tokens
     num_drafts: torch.Tensor  # [R] drafts verified (window size, cut at a position disagreement)
@@ -53,47 +53,42 @@ class RoundResult:
     emitted_positions: torch.Tensor  # [R, W + 1], -1 where nothing was emitted
 
 
-def fef(
-    model,
-    prompt: torch.Tensor,  # [B, P]
-    gen_length: int,
-    *,
-    temperature: float,
-    generator: torch.Generator,
-    stats: DecodeStats,
-    block_length: int,
-    order: str = "left_to_right",
-    window: int = 4,
-    draft: str = "marginal",
-    callback=None,
-) -> torch.Tensor:
-    """Decode the answer region with speculative denoising rounds until no mask is left -> [B, P + N]."""
-    canvas = Canvas.start(prompt, gen_length, block_length, model.mask_token_id)
-    stale: torch.Tensor | None = None  # [B, L, V] next round's draft logits per row ("stale" mode)
-    while (rows := canvas.active_rows()).numel():
-        x = canvas.x[rows]
-        fresh = draft == "marginal" or stale is None
-        draft_logits = call_model(model, x, stats) if fresh else stale[rows]
-        result = fef_round(model, x, draft_logits, fresh, canvas.block_ids, temperature, generator, stats,
-                           order=order, window=window)
-        canvas.x[rows] = result.x
-        if draft == "stale":
-            if stale is None:
-                stale = result.next_logits.new_empty((canvas.x.shape[0], *result.next_logits.shape[1:]))
-            stale[rows] = result.next_logits
-        if callback is not None:
-            callback({"sampler": "fef", "rows": rows, "x": result.x, "window": result.window,
-                      "drafts": result.drafts, "num_drafts": result.num_drafts,
-                      "num_accepted": result.num_accepted, "revealed": result.emitted_positions})
-    return canvas.x
+@dataclass
+class FefStepper:
+    """Speculative denoising rounds over the active block; see the module docstring."""
+
+    temperature: float
+    generator: torch.Generator
+    stats: DecodeStats
+    order: str = "left_to_right"
+    window: int = 4
+    draft: str = "marginal"
+    stale: torch.Tensor | None = None  # [B, Ls, V] next round's draft logits per canvas row ("stale")
+
+    def begin_block(self, block: int) -> None:
+        self.stale = None  # stale logits belong to the previous block's view
+
+    def step(self, view: View) -> tuple[torch.Tensor, dict]:
+        fresh = self.draft == "marginal" or self.stale is None
+        rows = torch.arange(view.x.shape[0], device=view.x.device)
+        draft_logits = view.call(view.x, rows) if fresh else self.stale[view.rows]
+        result = fef_round(view, draft_logits, fresh, self.temperature, self.generator, self.stats,
+                           order=self.order, window=self.window)
+        if self.draft == "stale":
+            if self.stale is None:
+                size = int(view.rows.max()) + 1
+                self.stale = result.next_logits.new_empty((size, *result.next_logits.shape[1:]))
+            self.stale[view.rows] = result.next_logits
+        revealed = torch.where(result.emitted_positions >= 0, result.emitted_positions + view.offset, -1)
+        return result.x, {"sampler": "fef", "window": result.window + view.offset, "drafts": result.drafts,
+                          "num_drafts": result.num_drafts, "num_accepted": result.num_accepted,
+                          "revealed": revealed}
 
 
 def fef_round(
-    model,
-    x: torch.Tensor,  # [R, L]
-    draft_logits: torch.Tensor,  # [R, L, V]
-    draft_is_state: bool,  # draft_logits are the model at x itself (then they serve as copy 0)
-    block_ids: torch.Tensor,  # [L]
+    view: View,
+    draft_logits: torch.Tensor,  # [R, Ls, V]
+    draft_is_state: bool,  # draft_logits are the model at view.x itself (then they serve as copy 0)
     temperature: float,
     generator: torch.Generator,
     stats: DecodeStats,
@@ -101,14 +96,14 @@ def fef_round(
     order: str,
     window: int,
 ) -> RoundResult:
-    """One draft-verify-reveal round for R rows; see the module docstring."""
-    mask_id = model.mask_token_id
+    """One draft-verify-reveal round for the view's R rows; see the module docstring."""
+    x, mask_id = view.x, view.mask_token_id
     rows = torch.arange(x.shape[0], device=x.device)
-    positions, count = choose_window(order, draft_logits, block_candidates(x, block_ids, mask_id), mask_id, window)
+    positions, count = choose_window(order, draft_logits, view.candidates(x), mask_id, window)
     drafts, draft_probs = _draft(draft_logits[rows[:, None], positions], mask_id, temperature, generator)
 
-    copies, copy_index = _build_copies(x, positions, drafts, count, skip_first=draft_is_state)
-    copy_logits = call_model(model, copies, stats, rows=x.shape[0])
+    copies, copy_index, row_of = _build_copies(x, positions, drafts, count, skip_first=draft_is_state)
+    copy_logits = view.call(copies, row_of)
     all_logits = torch.cat([draft_logits, copy_logits]) if draft_is_state else copy_logits
     all_tokens = torch.cat([x, copies]) if draft_is_state else copies
     if draft_is_state:  # the draft call was made on x itself: it is copy 0, stored first in all_logits
@@ -116,7 +111,7 @@ def fef_round(
         copy_index[:, 0] = rows
 
     # The position sequential would reveal next in every copy, from that copy's own logits.
-    picks_flat = pick_next(order, all_logits, block_candidates(all_tokens, block_ids, mask_id), mask_id)
+    picks_flat = pick_next(order, all_logits, view.candidates(all_tokens), mask_id)
     picks = torch.where(copy_index >= 0, picks_flat[copy_index.clamp(min=0)], -1)  # [R, W + 1]
     width = positions.shape[1]
     agree = (picks[:, :width] == positions) | (torch.arange(width, device=x.device) >= count[:, None])
@@ -160,11 +155,11 @@ def _build_copies(
     drafts: torch.Tensor,  # [R, W]
     count: torch.Tensor,  # [R]
     skip_first: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Copy c of row r reveals drafts 0..c-1, for c = 0 (or 1) .. count[r].
 
-    Returns the copies [N, L] and their index per (row, c) -> [R, W + 1], -1 where no copy was built.
-    Rows build only the copies they need, so ragged windows cost no padding.
+    Returns the copies [N, L], their index per (row, c) [R, W + 1] (-1 where no copy was built) and the
+    row of each copy [N]. Rows build only the copies they need, so ragged windows cost no padding.
     """
     width = positions.shape[1]
     c = torch.arange(width + 1, device=x.device)
@@ -176,4 +171,4 @@ def _build_copies(
     copies.scatter_(1, positions[row_of], torch.where(reveal, drafts[row_of], current))
     index = torch.full(wanted.shape, -1, dtype=torch.long, device=x.device)
     index[row_of, copy_of] = torch.arange(row_of.numel(), device=x.device)
-    return copies, index
+    return copies, index, row_of

@@ -17,148 +17,159 @@ marginals for several positions at once, so their joint is not the model's seque
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
-from dllm.kernels import SampleConfidence, sample_confidence
 
+from dllm.kernels import sample_confidence
 from dllm.numerics import forbid_token, gumbel, uniform
 from dllm.stats import DecodeStats
 
-from .canvas import Canvas, call_model
+from .canvas import View
 
 DREAM_ALGORITHMS = ("origin", "maskgit_plus", "topk_margin", "entropy")
 REMASKING = ("low_confidence", "random")
 DREAM_EPS = 1e-3  # Dream's final timestep: its schedule runs t = linspace(1, eps, steps + 1)
 
 
-def llada(
-    model, prompt, gen_length, *, temperature, generator, stats: DecodeStats, block_length, steps,
-    remasking="low_confidence", cfg_scale=0.0, callback=None,
-) -> torch.Tensor:
-    """LLaDA's semi-autoregressive sampler: ``steps`` spread evenly over blocks, fixed tokens per step."""
-    canvas = Canvas.start(prompt, gen_length, block_length, model.mask_token_id)
-    steps_per_block = steps // canvas.num_blocks
-    schedule = _transfer_schedule(block_length, steps_per_block)
-    for _block in range(canvas.num_blocks):
-        for k in schedule:
-            rows = canvas.active_rows()
-            x = canvas.x[rows]
-            logits = _guided_logits(model, x, canvas.prompt_length, cfg_scale, stats)
-            candidates = canvas.candidates(x)
-            where, proposal = _propose(logits, candidates, model.mask_token_id, temperature, generator)
-            if remasking == "random":
-                score = uniform(generator, (len(where[0]),), x.device)
-            else:
-                score = proposal.token_prob.double()
-            chosen = _top_k(_scatter(score, where, x.shape), torch.full_like(rows, k))
-            _reveal(canvas, rows, where, proposal.tokens, chosen, stats, callback, "llada")
-    return canvas.x
+@dataclass
+class _Stepper:
+    """Shared parts of the parallel samplers: proposing tokens and revealing the chosen ones."""
+
+    temperature: float
+    generator: torch.Generator
+    stats: DecodeStats
+
+    def begin_block(self, block: int) -> None:
+        self.step_index = 0
+
+    def _logits(self, view: View) -> torch.Tensor:
+        return view.call(view.x, torch.arange(view.x.shape[0], device=view.x.device))
+
+    def _propose(self, view: View, logits: torch.Tensor, temperature: float | None = None):
+        """Sample a token and its confidences at every candidate position (only there)."""
+        where = view.candidates(view.x).nonzero(as_tuple=True)
+        temperature = self.temperature if temperature is None else temperature
+        return where, sample_confidence(forbid_token(logits[where], view.mask_token_id), temperature, self.generator)
+
+    def _reveal(self, view: View, where, tokens, chosen: torch.Tensor, name: str) -> tuple[torch.Tensor, dict]:
+        """The view's tokens with the proposals written at the chosen positions; counts the step."""
+        proposed = torch.full_like(view.x, -1)
+        proposed[where] = tokens
+        hit = chosen & (proposed >= 0)
+        self.stats.count_round(hit.sum(dim=1))
+        self.step_index += 1
+        return torch.where(hit, proposed, view.x), {"sampler": name, "revealed": hit}
 
 
-def dream(
-    model, prompt, gen_length, *, temperature, generator, stats: DecodeStats, block_length, steps,
-    alg="maskgit_plus", alg_temp=None, top_p=None, top_k=None, callback=None,
-) -> torch.Tensor:
-    """Dream's sampler; with ``block_length`` < gen_length its schedule restarts in every block."""
-    canvas = Canvas.start(prompt, gen_length, block_length, model.mask_token_id)
-    steps_per_block = steps // canvas.num_blocks
-    times = torch.linspace(1.0, DREAM_EPS, steps_per_block + 1, dtype=torch.float64).tolist()
-    for _block in range(canvas.num_blocks):
-        for i in range(steps_per_block):
-            last = i == steps_per_block - 1
-            fraction = 1.0 if last else 1.0 - times[i + 1] / times[i]
-            rows = canvas.active_rows()
-            x = canvas.x[rows]
-            logits = call_model(model, x, stats)
-            candidates = canvas.candidates(x)
-            filtered = _filter_logits(logits, temperature, top_p, top_k)
-            # Filtering already applied the temperature; sample the filtered distribution as it stands.
-            where, proposal = _propose(filtered, candidates, model.mask_token_id, 1.0 if temperature else 0.0,
-                                       generator)
-            if alg == "origin":
-                chosen = candidates.clone()
-                if not last:
-                    chosen[where] = uniform(generator, (len(where[0]),), x.device) < fraction
-            else:
-                score = {"maskgit_plus": proposal.token_prob, "topk_margin": proposal.margin,
-                         "entropy": -proposal.entropy}[alg].double()
-                counts = candidates.sum(1)
-                k = counts if last else (counts.double() * fraction).long()
-                chosen = _top_k(_scatter(score, where, x.shape), k, alg_temp, generator)
-            _reveal(canvas, rows, where, proposal.tokens, chosen, stats, callback, "dream")
-    return canvas.x
+@dataclass
+class LladaStepper(_Stepper):
+    """LLaDA's semi-autoregressive sampler: a fixed number of tokens per step, ``steps_per_block`` steps."""
 
+    steps_per_block: int = 1
+    block_length: int = 1
+    remasking: str = "low_confidence"
+    cfg_scale: float = 0.0
 
-def fast_dllm(
-    model, prompt, gen_length, *, temperature, generator, stats: DecodeStats, block_length,
-    threshold=None, factor=None, callback=None,
-) -> torch.Tensor:
-    """Fast-dLLM parallel decoding: confidence threshold (default 0.9) or the ``factor`` rule."""
-    if threshold is None and factor is None:
-        threshold = 0.9
-    canvas = Canvas.start(prompt, gen_length, block_length, model.mask_token_id)
-    while (rows := canvas.active_rows()).numel():
-        x = canvas.x[rows]
-        logits = call_model(model, x, stats)
-        where, proposal = _propose(logits, canvas.candidates(x), model.mask_token_id, temperature, generator)
-        confidence = _scatter(proposal.token_prob.double(), where, x.shape)  # -inf off candidates
-        ranked = confidence.sort(dim=1, descending=True).values
-        n = torch.arange(1, x.shape[1] + 1, device=x.device, dtype=torch.float64)
-        if threshold is not None:
-            passes = ranked > threshold
+    def step(self, view: View) -> tuple[torch.Tensor, dict]:
+        where, proposal = self._propose(view, _guided_logits(view, self.cfg_scale))
+        if self.remasking == "random":
+            score = uniform(self.generator, (len(where[0]),), view.x.device)
         else:
-            passes = (n + 1) * (1 - ranked) < factor
+            score = proposal.token_prob.double()
+        schedule = _transfer_schedule(self.block_length, self.steps_per_block)
+        k = torch.full_like(view.rows, schedule[min(self.step_index, len(schedule) - 1)])
+        chosen = _top_k(_scatter(score, where, view.x.shape), k)
+        return self._reveal(view, where, proposal.tokens, chosen, "llada")
+
+
+@dataclass
+class DreamStepper(_Stepper):
+    """Dream's sampler; with ``block_length`` < gen_length its schedule restarts in every block."""
+
+    steps_per_block: int = 1
+    alg: str = "maskgit_plus"
+    alg_temp: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+
+    def step(self, view: View) -> tuple[torch.Tensor, dict]:
+        times = torch.linspace(1.0, DREAM_EPS, self.steps_per_block + 1, dtype=torch.float64).tolist()
+        i = self.step_index
+        last = i >= self.steps_per_block - 1
+        fraction = 1.0 if last else 1.0 - times[i + 1] / times[i]
+        filtered = _filter_logits(self._logits(view), self.temperature, self.top_p, self.top_k)
+        # Filtering already applied the temperature: sample the filtered distribution as it stands.
+        where, proposal = self._propose(view, filtered, 1.0 if self.temperature else 0.0)
+        candidates = view.candidates(view.x)
+        if self.alg == "origin":
+            chosen = candidates.clone()
+            if not last:
+                chosen[where] = uniform(self.generator, (len(where[0]),), view.x.device) < fraction
+        else:
+            score = {"maskgit_plus": proposal.token_prob, "topk_margin": proposal.margin,
+                     "entropy": -proposal.entropy}[self.alg].double()
+            counts = candidates.sum(1)
+            k = counts if last else (counts.double() * fraction).long()
+            chosen = _top_k(_scatter(score, where, view.x.shape), k, self.alg_temp, self.generator)
+        return self._reveal(view, where, proposal.tokens, chosen, "dream")
+
+
+@dataclass
+class FastDllmStepper(_Stepper):
+    """Fast-dLLM parallel decoding: confidence ``threshold`` (default 0.9) or the ``factor`` rule."""
+
+    threshold: float | None = None
+    factor: float | None = None
+
+    def step(self, view: View) -> tuple[torch.Tensor, dict]:
+        where, proposal = self._propose(view, self._logits(view))
+        confidence = _scatter(proposal.token_prob.double(), where, view.x.shape)  # -inf off candidates
+        ranked = confidence.sort(dim=1, descending=True).values
+        if self.factor is not None:
+            n = torch.arange(1, view.x.shape[1] + 1, device=view.x.device, dtype=torch.float64)
+            passes = (n + 1) * (1 - ranked) < self.factor
+        else:
+            passes = ranked > (0.9 if self.threshold is None else self.threshold)
         passes[:, 0] = True  # at least one token per step
-        k = (passes.long().cumprod(dim=1).sum(dim=1)).clamp(max=(confidence > -math.inf).sum(1))
-        _reveal(canvas, rows, where, proposal.tokens, _top_k(confidence, k), stats, callback, "fast_dllm")
-    return canvas.x
+        k = passes.long().cumprod(dim=1).sum(dim=1).clamp(max=(confidence > -math.inf).sum(1))
+        return self._reveal(view, where, proposal.tokens, _top_k(confidence, k), "fast_dllm")
 
 
-def eb(
-    model, prompt, gen_length, *, temperature, generator, stats: DecodeStats, block_length, gamma=0.01,
-    callback=None,
-) -> torch.Tensor:
+@dataclass
+class EbStepper(_Stepper):
     """Entropy-bounded unmasking: the lowest-entropy positions while sum(H) - max(H) <= gamma."""
-    canvas = Canvas.start(prompt, gen_length, block_length, model.mask_token_id)
-    while (rows := canvas.active_rows()).numel():
-        x = canvas.x[rows]
-        logits = call_model(model, x, stats)
-        candidates = canvas.candidates(x)
-        where, proposal = _propose(logits, candidates, model.mask_token_id, temperature, generator)
-        entropy = _scatter(proposal.entropy.double(), where, x.shape, fill=math.inf)
+
+    gamma: float = 0.01
+
+    def step(self, view: View) -> tuple[torch.Tensor, dict]:
+        where, proposal = self._propose(view, self._logits(view))
+        entropy = _scatter(proposal.entropy.double(), where, view.x.shape, fill=math.inf)
         ranked = entropy.sort(dim=1).values  # ascending; +inf off candidates
         finite = torch.where(torch.isfinite(ranked), ranked, torch.zeros_like(ranked))
         # Sorted ascending, the running max is the newest entry: sum(H) - max(H) = cumsum - H_n.
         bound = finite.cumsum(dim=1) - finite
-        k = ((bound <= gamma) & torch.isfinite(ranked)).long().cumprod(dim=1).sum(dim=1).clamp(min=1)
-        _reveal(canvas, rows, where, proposal.tokens, _top_k(-entropy, k), stats, callback, "eb")
-    return canvas.x
+        k = ((bound <= self.gamma) & torch.isfinite(ranked)).long().cumprod(dim=1).sum(dim=1).clamp(min=1)
+        return self._reveal(view, where, proposal.tokens, _top_k(-entropy, k), "eb")
+
+
+def _guided_logits(view: View, cfg_scale: float) -> torch.Tensor:
+    """Logits, with unsupervised classifier-free guidance when cfg_scale > 0 (the prompt masked as the
+    unconditional input; both halves in one batched call)."""
+    rows = torch.arange(view.x.shape[0], device=view.x.device)
+    if cfg_scale <= 0:
+        return view.call(view.x, rows)
+    unconditional = view.x.clone()
+    unconditional[:, : view.prompt_length] = view.mask_token_id
+    both = view.call(torch.cat([view.x, unconditional]), torch.cat([rows, rows]))
+    cond, uncond = both.float().chunk(2)
+    return uncond + (cfg_scale + 1) * (cond - uncond)
 
 
 def _transfer_schedule(block_length: int, steps: int) -> list[int]:
     """Tokens revealed at each step of a block: even split, remainder on the first steps (as LLaDA)."""
     base, extra = divmod(block_length, steps)
     return [base + (1 if i < extra else 0) for i in range(steps)]
-
-
-def _guided_logits(model, x: torch.Tensor, prompt_length: int, cfg_scale: float, stats: DecodeStats):
-    """Logits, with unsupervised classifier-free guidance when cfg_scale > 0 (prompt masked as the
-    unconditional input; both halves in one batched call)."""
-    if cfg_scale <= 0:
-        return call_model(model, x, stats)
-    unconditional = x.clone()
-    unconditional[:, :prompt_length] = model.mask_token_id
-    both = call_model(model, torch.cat([x, unconditional]), stats, rows=x.shape[0])
-    cond, uncond = both.float().chunk(2)
-    return uncond + (cfg_scale + 1) * (cond - uncond)
-
-
-def _propose(
-    logits: torch.Tensor, candidates: torch.Tensor, mask_id: int, temperature: float, generator: torch.Generator
-) -> tuple[tuple[torch.Tensor, torch.Tensor], SampleConfidence]:
-    """Sample a token and its confidences at every candidate position (only there)."""
-    where = candidates.nonzero(as_tuple=True)
-    return where, sample_confidence(forbid_token(logits[where], mask_id), temperature, generator)
 
 
 def _filter_logits(logits: torch.Tensor, temperature: float, top_p: float | None, top_k: int | None):
@@ -198,15 +209,3 @@ def _top_k(
     chosen.scatter_(1, ranked, take)
     return chosen & torch.isfinite(score)
 
-
-def _reveal(canvas: Canvas, rows, where, tokens, chosen, stats: DecodeStats, callback, name: str) -> None:
-    """Write the proposed tokens at the chosen positions of the active rows and count the step."""
-    x = canvas.x[rows]
-    proposed = torch.full_like(x, -1)
-    proposed[where] = tokens
-    hit = chosen & (proposed >= 0)
-    x[hit] = proposed[hit]
-    canvas.x[rows] = x
-    stats.count_round(hit.sum(dim=1))
-    if callback is not None:
-        callback({"sampler": name, "rows": rows, "x": x, "revealed": hit})

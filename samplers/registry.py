@@ -7,9 +7,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from dllm.protocols import is_causal_model, is_diffusion_model
+from dllm.protocols import has_cache, is_causal_model, is_diffusion_model
 
-from . import ar, fef, masked, sequential
+from . import ar, diffusion, fef, masked
+from .canvas import CACHE_MODES
 from .order import ORDERS
 
 MAX_NEW = object()  # default: the value of max_new_tokens
@@ -39,12 +40,15 @@ class SamplerSpec:
         if unknown:
             raise TypeError(f"unknown option(s) {unknown} for sampler {self.name!r}; "
                             f"allowed: {sorted(self.options) + ['callback']}")
-        values = {name: given.get(name, max_new_tokens if opt.default is MAX_NEW else opt.default)
-                  for name, opt in self.options.items()}
+        values = {name: given.get(name, opt.default) for name, opt in self.options.items()}
+        # block_length / steps default to max_new_tokens (also when passed as None).
+        values = {name: max_new_tokens if v is MAX_NEW or (v is None and self.options[name].default is MAX_NEW)
+                  else v for name, v in values.items()}
         for name, opt in self.options.items():
             opt.check(name, values[name])
         _check_schedule(values, max_new_tokens)
         _check_drafter(values, model)
+        _check_cache(values, model)
         if values.get("threshold") is not None and values.get("factor") is not None:
             raise ValueError("fast_dllm takes either threshold or factor, not both")
         callback = given.get("callback")
@@ -119,24 +123,47 @@ def _check_drafter(values: dict[str, Any], model) -> None:
                          "drafts and targets must share token ids")
 
 
-BLOCK = {"block_length": Option(MAX_NEW, _int_at_least(1))}
+def _check_cache(values: dict[str, Any], model) -> None:
+    """An explicit cache must be one the model offers; ``block`` must also be exact for these blocks."""
+    cache = values.get("cache", "auto")
+    if cache in ("auto", "none"):
+        return
+    if not has_cache(model):
+        raise ValueError(f"cache={cache!r} needs a model with new_cache() and forward_cached(); "
+                         f"{type(model).__name__} has none (use cache='none')")
+    if cache == "dual" and not callable(getattr(model.new_cache(), "drop", None)):
+        raise ValueError(f"cache='dual' needs a cache with drop(start, end); {type(model).__name__}'s has none")
+    if cache == "block":
+        block = values.get("block_length")
+        if not getattr(model, "cache_exact", False) or getattr(model, "block_size", None) != block:
+            raise ValueError(f"cache='block' is exact only for a block-causal model whose block_size equals "
+                             f"block_length={block}; this model has block_size="
+                             f"{getattr(model, 'block_size', None)}, cache_exact={getattr(model, 'cache_exact', False)}."
+                             " Use cache='prefix' for the approximate Fast-dLLM prefix cache")
+    if values.get("cfg_scale", 0.0) > 0:
+        raise ValueError("cfg_scale > 0 needs full-sequence calls: use cache='none' (or 'auto')")
+
+
+BLOCK = {"block_length": Option(MAX_NEW, _int_at_least(1)), "cache": Option("auto", _choice(CACHE_MODES))}
+AR_CACHE = {"cache": Option("auto", _choice(("auto", "none")))}
 
 SAMPLERS: dict[str, SamplerSpec] = {
     spec.name: spec
     for spec in [
-        SamplerSpec("ar", ar.ar, "causal", True, {}),
+        SamplerSpec("ar", ar.ar, "causal", True, {**AR_CACHE}),
         SamplerSpec("ar_spec", ar.ar_spec, "causal", True, {
+            **AR_CACHE,
             "drafter": Option("ngram", _no_check),
             "num_draft_tokens": Option(4, _int_at_least(1)),
             "max_ngram": Option(3, _int_at_least(1)),
         }),
-        SamplerSpec("llada", masked.llada, "diffusion", False, {
+        SamplerSpec("llada", diffusion.llada, "diffusion", False, {
             **BLOCK,
             "steps": Option(MAX_NEW, _int_at_least(1)),
             "remasking": Option("low_confidence", _choice(masked.REMASKING)),
             "cfg_scale": Option(0.0, _number(0.0)),
         }),
-        SamplerSpec("dream", masked.dream, "diffusion", False, {
+        SamplerSpec("dream", diffusion.dream, "diffusion", False, {
             **BLOCK,
             "steps": Option(MAX_NEW, _int_at_least(1)),
             "alg": Option("maskgit_plus", _choice(masked.DREAM_ALGORITHMS)),
@@ -144,16 +171,16 @@ SAMPLERS: dict[str, SamplerSpec] = {
             "top_p": Option(None, _number(0.0, 1.0, low_open=True, optional=True)),
             "top_k": Option(None, _optional_int(1)),
         }),
-        SamplerSpec("fast_dllm", masked.fast_dllm, "diffusion", False, {
+        SamplerSpec("fast_dllm", diffusion.fast_dllm, "diffusion", False, {
             **BLOCK,
             "threshold": Option(None, _number(0.0, 1.0, optional=True)),
             "factor": Option(None, _number(0.0, low_open=True, optional=True)),
         }),
-        SamplerSpec("eb", masked.eb, "diffusion", False, {**BLOCK, "gamma": Option(0.01, _number(0.0))}),
-        SamplerSpec("sequential", sequential.sequential, "diffusion", True, {
+        SamplerSpec("eb", diffusion.eb, "diffusion", False, {**BLOCK, "gamma": Option(0.01, _number(0.0))}),
+        SamplerSpec("sequential", diffusion.sequential, "diffusion", True, {
             **BLOCK, "order": Option("left_to_right", _choice(ORDERS)),
         }),
-        SamplerSpec("fef", fef.fef, "diffusion", True, {
+        SamplerSpec("fef", diffusion.fef, "diffusion", True, {
             **BLOCK,
             "order": Option("left_to_right", _choice(ORDERS)),
             "window": Option(4, _int_at_least(1)),

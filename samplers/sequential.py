@@ -2,43 +2,42 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from dllm.numerics import forbid_token, sample_from_logits
 from dllm.stats import DecodeStats
 
-from .canvas import Canvas, call_model
+from .canvas import Canvas, View, block_candidates
 from .order import pick_next
 
 
-def sequential(
-    model,
-    prompt: torch.Tensor,  # [B, P]
-    gen_length: int,
-    *,
-    temperature: float,
-    generator: torch.Generator,
-    stats: DecodeStats,
-    block_length: int,
-    order: str = "left_to_right",
-    callback=None,
-) -> torch.Tensor:
-    """Reveal one position per call: the next in ``order``, sampled from softmax(logits / T) -> [B, P + N].
+@dataclass
+class SequentialStepper:
+    """Reveal one position per call: the next in ``order``, sampled from softmax(logits / T).
 
-    Its output distribution is the chain of prefix conditionals: each token given every token revealed
-    before it. That chain is the target that ``fef`` reproduces exactly.
+    Its output distribution is the chain of prefix conditionals, each token given every token revealed
+    before it: the target that ``fef`` reproduces exactly.
     """
-    canvas = Canvas.start(prompt, gen_length, block_length, model.mask_token_id)
-    while (rows := canvas.active_rows()).numel():
-        x = canvas.x[rows]
-        logits = call_model(model, x, stats)
-        position = pick_next(order, logits, canvas.candidates(x), model.mask_token_id)  # [R]
-        chosen = forbid_token(logits[torch.arange(len(rows)), position], model.mask_token_id)  # [R, V]
-        canvas.x[rows, position] = sample_from_logits(chosen, temperature, generator)
-        stats.count_round(torch.ones_like(rows))
-        if callback is not None:
-            callback({"sampler": "sequential", "rows": rows, "x": canvas.x[rows], "revealed": position[:, None]})
-    return canvas.x
+
+    temperature: float
+    generator: torch.Generator
+    stats: DecodeStats
+    order: str = "left_to_right"
+
+    def begin_block(self, block: int) -> None:
+        pass
+
+    def step(self, view: View) -> tuple[torch.Tensor, dict]:
+        which = torch.arange(view.x.shape[0], device=view.x.device)
+        logits = view.call(view.x, which)
+        position = pick_next(self.order, logits, view.candidates(view.x), view.mask_token_id)  # [R]
+        chosen = forbid_token(logits[which, position], view.mask_token_id)  # [R, V]
+        x = view.x.clone()
+        x[which, position] = sample_from_logits(chosen, self.temperature, self.generator)
+        self.stats.count_round(torch.ones_like(position))
+        return x, {"sampler": "sequential", "revealed": position[:, None] + view.offset}
 
 
 def sequential_distribution(
@@ -54,20 +53,25 @@ def sequential_distribution(
 
     Works for any DiffusionModel with a small vocabulary (cost: about V^gen_length model rows), or for a
     CausalModel (no ``mask_token_id``: then the chain is plain left-to-right next-token sampling). Maps
-    each answer (a tuple of token ids) to its probability. The ground truth for exactness tests.
+    each answer (a tuple of token ids) to its probability. The ground truth for exactness tests; written
+    independently of the samplers' loop on purpose.
     """
     causal = getattr(model, "mask_token_id", None) is None
     mask_id = -1 if causal else model.mask_token_id
     canvas = Canvas.start(prompt[None], gen_length, block_length or gen_length, mask_id)
+    positions = torch.arange(canvas.x.shape[1]) - canvas.prompt_length
+    block_ids = torch.where(positions >= 0, positions // canvas.block_length, -1)
     states, probs = canvas.x, torch.ones(1, dtype=torch.float64)
     p = prompt.numel()
+    # Block-causal models line their blocks up with the answer, as the samplers call them.
+    extra = {"block_offset": torch.tensor([p])} if getattr(model, "block_size", None) is not None else {}
     for step in range(gen_length):
         if causal:
             logits = model(states[:, : p + step])[:, -1]
             position = torch.full((states.shape[0],), p + step)
         else:
-            logits_all = model(states)
-            position = pick_next(order, logits_all, canvas.candidates(states), mask_id)
+            logits_all = model(states, **extra)
+            position = pick_next(order, logits_all, block_candidates(states, block_ids, mask_id), mask_id)
             logits = forbid_token(logits_all[torch.arange(states.shape[0]), position], mask_id)
         if temperature == 0:
             step_probs = torch.zeros_like(logits, dtype=torch.float64)
@@ -78,8 +82,7 @@ def sequential_distribution(
         states = states[parent].clone()
         states[torch.arange(parent.numel()), position[parent]] = token
         probs = probs[parent] * step_probs[parent, token]
-    answers = states[:, p:]
     out: dict[tuple[int, ...], float] = {}
-    for answer, prob in zip(answers.tolist(), probs.tolist()):
+    for answer, prob in zip(states[:, p:].tolist(), probs.tolist()):
         out[tuple(answer)] = out.get(tuple(answer), 0.0) + prob
     return out

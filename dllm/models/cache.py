@@ -1,0 +1,125 @@
+"""Key/value cache for :class:`dllm.models.transformer.TransformerLM`: a prefix computed once, reused.
+
+Exact (same logits as recomputing the prefix) for causal attention, and for block-causal attention
+while the cache holds only whole blocks that come before every new query. For bidirectional attention
+a cache is an approximation: cached keys never see tokens that arrive later.
+"""
+
+from __future__ import annotations
+
+import torch
+from einops import repeat
+from torch import Tensor
+
+
+class KVCache:
+    """Per-layer keys/values of a prefix, plus each cached token's position and validity.
+
+    keys[i], values[i]: [B, H_kv, P, D], rotary already applied to the keys.
+    positions: [B, P] rotary positions of the cached tokens.
+    valid: [B, P] False for padding and for entries rolled back by a ragged ``crop``; never attended.
+    ``append`` and ``crop`` change the cache in place; ``expand`` and ``select`` return a new cache.
+    """
+
+    def __init__(
+        self,
+        keys: list[Tensor] | None = None,
+        values: list[Tensor] | None = None,
+        positions: Tensor | None = None,
+        valid: Tensor | None = None,
+    ):
+        self.keys = keys or []
+        self.values = values or []
+        self.positions = positions  # [B, P]
+        self.valid = valid  # [B, P]
+
+    @property
+    def length(self) -> int:
+        """Cached sequence length P (including invalid entries); 0 when empty."""
+        return 0 if self.positions is None else self.positions.shape[1]
+
+    @property
+    def batch_size(self) -> int | None:
+        """Rows B of the cache; None while empty."""
+        return None if self.positions is None else self.positions.shape[0]
+
+    def layer(self, index: int) -> tuple[Tensor, Tensor]:
+        """Keys and values of one layer.  # ([B, H_kv, P, D], [B, H_kv, P, D])"""
+        return self.keys[index], self.values[index]
+
+    def next_position(self) -> Tensor:
+        """Position of the next token in each row: one past the last valid cached position.  # [B]"""
+        last = self.positions.masked_fill(~self.valid, -1).amax(dim=1)
+        return last + 1
+
+    def append(self, kv: list[tuple[Tensor, Tensor]], positions: Tensor, valid: Tensor) -> None:
+        """Add new tokens' keys/values (one (k, v) per layer, [B, H_kv, L, D]) with positions/valid [B, L]."""
+        if self.length == 0:
+            self.keys = [k for k, _ in kv]
+            self.values = [v for _, v in kv]
+            self.positions, self.valid = positions, valid.bool()
+            return
+        if positions.shape[0] != self.batch_size:
+            raise ValueError(f"cache holds {self.batch_size} rows but {positions.shape[0]} were appended")
+        self.keys = [torch.cat((old, new), dim=2) for old, (new, _) in zip(self.keys, kv, strict=True)]
+        self.values = [torch.cat((old, new), dim=2) for old, (_, new) in zip(self.values, kv, strict=True)]
+        self.positions = torch.cat((self.positions, positions), dim=1)
+        self.valid = torch.cat((self.valid, valid.bool()), dim=1)
+
+    def crop(self, length: int | Tensor) -> None:
+        """Roll back to the first ``length`` entries: an int for all rows, or a LongTensor [B] per row.
+
+        A per-row length keeps max(length) entries and marks each row's tail invalid, so rows that
+        accepted different numbers of speculative drafts share one cache.
+        """
+        if isinstance(length, Tensor):
+            keep = int(length.max())
+            self._slice(keep)
+            if self.length:
+                live = torch.arange(keep, device=self.valid.device) < length.to(self.valid.device)[:, None]
+                self.valid = self.valid & live
+            return
+        if not 0 <= length <= self.length:
+            raise ValueError(f"crop length must be in [0, {self.length}], got {length}")
+        self._slice(length)
+
+    def _slice(self, length: int) -> None:
+        """Keep the first ``length`` entries of every tensor (views, no copy)."""
+        if length == 0:
+            self.keys, self.values, self.positions, self.valid = [], [], None, None
+            return
+        self.keys = [k[:, :, :length] for k in self.keys]
+        self.values = [v[:, :, :length] for v in self.values]
+        self.positions, self.valid = self.positions[:, :length], self.valid[:, :length]
+
+    def drop(self, start: int, end: int) -> KVCache:
+        """A cache without entries [start, end) (e.g. the active block, for Fast-dLLM's dual cache)."""
+        def cut(x: Tensor, dim: int) -> Tensor:
+            return torch.cat((x.narrow(dim, 0, start), x.narrow(dim, end, x.shape[dim] - end)), dim=dim)
+
+        keys, values = [cut(k, 2) for k in self.keys], [cut(v, 2) for v in self.values]
+        return KVCache(keys, values, cut(self.positions, 1), cut(self.valid, 1))
+
+    def expand(self, n: int) -> KVCache:
+        """Each row repeated n times, copies adjacent: row b becomes rows b*n .. b*n+n-1.  # [B*n, ...]
+
+        With one row (B == 1) this is a view (``Tensor.expand``, no memory copied); with B > 1 the
+        (b n) merge cannot be a strided view, so the tensors are copied (``einops.repeat``).
+        """
+        if self.length == 0:
+            return KVCache()
+
+        def grow(x: Tensor) -> Tensor:
+            if x.shape[0] == 1:
+                return x.expand(n, *x.shape[1:])
+            return repeat(x, "b ... -> (b n) ...", n=n)
+
+        keys, values = [grow(k) for k in self.keys], [grow(v) for v in self.values]
+        return KVCache(keys, values, grow(self.positions), grow(self.valid))
+
+    def select(self, rows: Tensor) -> KVCache:
+        """A cache of the given rows only (e.g. to drop finished rows).  # rows: LongTensor [B']"""
+        if self.length == 0:
+            return KVCache()
+        keys, values = [k[rows] for k in self.keys], [v[rows] for v in self.values]
+        return KVCache(keys, values, self.positions[rows], self.valid[rows])

@@ -1,0 +1,461 @@
+"""The project's small transformer LM: RMSNorm, rotary positions, SwiGLU MLP, SDPA attention.
+
+One module, three attention layouts chosen by ``TransformerConfig.layout``:
+  - ``causal``: an autoregressive LM; ``logits[:, i]`` predicts token i+1.
+  - ``bidirectional``: a masked diffusion LM (LLaDA-like); ``logits[:, i]`` predicts the clean token at i.
+  - ``block_causal``: block diffusion; bidirectional inside blocks of ``block_size`` positions, causal
+    across blocks (a query in block b sees keys in blocks <= b); ``logits[:, i]`` predicts token i.
+
+Mask convention everywhere: boolean, True = may attend (as in ``F.scaled_dot_product_attention``).
+Layout masks are built from position ids, so left padding moves block boundaries with the real tokens,
+and ``block_offset`` aligns blocks to e.g. the start of a generated answer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange, repeat
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from dllm.models.cache import KVCache
+
+LAYOUTS = ("causal", "bidirectional", "block_causal")
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    """Raise a ValueError naming ``name`` unless value is an int >= 1."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _check_token_id(name: str, value: Any, vocab_size: int) -> None:
+    """Raise a ValueError naming ``name`` unless value is None or an id in [0, vocab_size)."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab_size:
+        raise ValueError(f"{name} must be None or an int in [0, vocab_size={vocab_size}), got {value!r}")
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    """Architecture and special token ids of a TransformerLM (validated on construction)."""
+
+    vocab_size: int
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int | None = None  # None -> n_heads; fewer gives grouped-query attention
+    mlp_hidden: int | None = None  # None -> 8/3 * dim rounded up to 64: SwiGLU at ~ the params of a 4x MLP
+    max_seq_len: int = 2048
+    rope_theta: float = 10000.0
+    layout: str = "causal"  # one of LAYOUTS
+    block_size: int | None = None  # required for, and only allowed with, layout="block_causal"
+    mask_token_id: int | None = None  # required for diffusion layouts, None for causal
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+
+    def __post_init__(self):
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len"):
+            _check_positive_int(name, getattr(self, name))
+        self._check_heads()
+        self._check_layout()
+        for name in ("mask_token_id", "eos_token_id", "pad_token_id"):
+            _check_token_id(name, getattr(self, name), self.vocab_size)
+        if self.mlp_hidden is None:
+            object.__setattr__(self, "mlp_hidden", math.ceil(8 * self.dim / 3 / 64) * 64)
+        _check_positive_int("mlp_hidden", self.mlp_hidden)
+        for name in ("rope_theta", "norm_eps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
+        if not isinstance(self.tie_embeddings, bool):
+            raise ValueError(f"tie_embeddings must be a bool, got {self.tie_embeddings!r}")
+
+    def _check_heads(self) -> None:
+        """Head counts divide evenly and leave an even head_dim (rotary rotates pairs)."""
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
+        if (self.dim // self.n_heads) % 2:
+            raise ValueError(f"head_dim = dim / n_heads = {self.dim // self.n_heads} must be even for rotary")
+        if self.n_kv_heads is None:
+            object.__setattr__(self, "n_kv_heads", self.n_heads)
+        _check_positive_int("n_kv_heads", self.n_kv_heads)
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_kv_heads ({self.n_kv_heads}) must divide n_heads ({self.n_heads})")
+
+    def _check_layout(self) -> None:
+        """Layout is known and carries the fields it needs (block_size, mask_token_id)."""
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if self.layout == "block_causal":
+            _check_positive_int("block_size", self.block_size)
+        elif self.block_size is not None:
+            raise ValueError(f"block_size is only for layout='block_causal', got layout={self.layout!r}")
+        if self.layout == "causal" and self.mask_token_id is not None:
+            raise ValueError("mask_token_id must be None for layout='causal' (an AR model has no mask token)")
+        if self.layout != "causal" and self.mask_token_id is None:
+            raise ValueError(f"mask_token_id is required for layout={self.layout!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict of all fields (defaults resolved), JSON-serialisable."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> TransformerConfig:
+        """Build from a dict, rejecting keys that are not fields (typos must not pass silently)."""
+        fields = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(values) - set(fields))
+        if unknown:
+            raise ValueError(f"unknown TransformerConfig keys {unknown}; allowed keys: {fields}")
+        return cls(**values)
+
+
+def layout_mask(
+    layout: str,
+    query_pos: Tensor,  # [B, Lq]
+    key_pos: Tensor,  # [B, Lk]
+    block_size: int | None = None,
+    block_offset: int | Tensor = 0,  # int or [B]
+) -> Tensor:
+    """Which keys each query may attend to under a layout, from positions (True = attend).  # [B, Lq, Lk]
+
+    Blocks start at positions ``block_offset + k * block_size`` (k may be negative, so a prompt before
+    the offset is split into blocks aligned to it).
+    """
+    query = rearrange(query_pos, "b q -> b q 1")
+    key = rearrange(key_pos, "b k -> b 1 k")
+    if layout == "bidirectional":
+        return torch.ones(query.shape[0], query.shape[1], key.shape[2], dtype=torch.bool, device=key.device)
+    if layout == "causal":
+        return key <= query
+    if layout != "block_causal":
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    offset = torch.as_tensor(block_offset, device=key.device).reshape(-1, 1, 1)
+    key_block = torch.div(key - offset, block_size, rounding_mode="floor")
+    query_block = torch.div(query - offset, block_size, rounding_mode="floor")
+    return key_block <= query_block
+
+
+def _apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate channel pairs (i, i + D/2) by position angles, in float32.  # x [B, H, L, D]; cos [B, L, D/2]"""
+    cos, sin = rearrange(cos, "b l d -> b 1 l d"), rearrange(sin, "b l d -> b 1 l d")
+    first, second = x.float().chunk(2, dim=-1)
+    rotated = torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+    return rotated.to(x.dtype)
+
+
+class _Rotary(nn.Module):
+    """Precomputed float32 cos/sin tables for positions [0, max_seq_len), indexed by position ids."""
+
+    def __init__(self, head_dim: int, max_seq_len: int, theta: float):
+        super().__init__()
+        self.head_dim, self.max_seq_len, self.theta = head_dim, max_seq_len, theta
+        self._build(device=None)
+
+    def _build(self, device: torch.device | None) -> None:
+        """(Re)compute the tables in float64 then store float32 (angles at large positions need the bits)."""
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float64, device=device) / self.head_dim
+        positions = torch.arange(self.max_seq_len, dtype=torch.float64, device=device)
+        angles = torch.outer(positions, self.theta**-exponents)  # [max_seq_len, D/2]
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        # model.to(torch.bfloat16) would round the tables too; rebuild them in float32 on the new device.
+        super()._apply(fn, recurse)
+        self._build(self.cos.device)
+        return self
+
+    def forward(self, position_ids: Tensor) -> tuple[Tensor, Tensor]:
+        """cos and sin at each position.  # position_ids [B, L] -> ([B, L, D/2], [B, L, D/2])"""
+        return self.cos[position_ids], self.sin[position_ids]
+
+
+class _RMSNorm(nn.Module):
+    """Root-mean-square norm with a learned gain, computed in float32 for bf16 stability."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:  # [B, L, dim] -> [B, L, dim]
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.to(x.dtype) * self.weight
+
+
+class _Attention(nn.Module):
+    """Multi-head (optionally grouped-query) attention with rotary positions and a boolean mask."""
+
+    def __init__(self, config: TransformerConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        kv_dim = self.n_kv_heads * self.head_dim
+        self.wqkv = nn.Linear(config.dim, config.dim + 2 * kv_dim, bias=False)  # one matmul for q, k, v
+        self.wo = nn.Linear(config.dim, config.dim, bias=False)
+
+    def forward(
+        self,
+        x: Tensor,  # [B, L, dim]
+        cos: Tensor,  # [B, L, D/2]
+        sin: Tensor,  # [B, L, D/2]
+        mask: Tensor,  # [B, 1, L, P + L] bool
+        past: tuple[Tensor, Tensor] | None,  # cached ([B, H_kv, P, D], [B, H_kv, P, D])
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Attention output [B, L, dim] and this call's keys/values [B, H_kv, L, D] for a cache."""
+        kv_dim = self.n_kv_heads * self.head_dim
+        q, k, v = self.wqkv(x).split([self.n_heads * self.head_dim, kv_dim, kv_dim], dim=-1)
+        q = _apply_rotary(rearrange(q, "b l (h d) -> b h l d", d=self.head_dim), cos, sin)
+        k = _apply_rotary(rearrange(k, "b l (h d) -> b h l d", d=self.head_dim), cos, sin)
+        v = rearrange(v, "b l (h d) -> b h l d", d=self.head_dim)
+        new_k, new_v = k, v
+        if past is not None:
+            k, v = torch.cat((past[0], k), dim=2), torch.cat((past[1], v), dim=2)
+        if self.n_kv_heads != self.n_heads:  # query head j reads kv head j // groups
+            groups = self.n_heads // self.n_kv_heads
+            k = repeat(k, "b h l d -> b (h g) l d", g=groups)
+            v = repeat(v, "b h l d -> b (h g) l d", g=groups)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.wo(rearrange(out, "b h l d -> b l (h d)")), new_k, new_v
+
+
+class _SwiGLU(nn.Module):
+    """Gated MLP: w2(silu(x w1) * (x w3)), with w1 and w3 fused into one matmul."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w13 = nn.Linear(dim, 2 * hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:  # [B, L, dim] -> [B, L, dim]
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class _Block(nn.Module):
+    """Pre-norm residual block: attention then SwiGLU."""
+
+    def __init__(self, config: TransformerConfig):
+        super().__init__()
+        self.attn_norm = _RMSNorm(config.dim, config.norm_eps)
+        self.attn = _Attention(config)
+        self.mlp_norm = _RMSNorm(config.dim, config.norm_eps)
+        self.mlp = _SwiGLU(config.dim, config.mlp_hidden)
+
+    def forward(self, x, cos, sin, mask, past) -> tuple[Tensor, Tensor, Tensor]:
+        """Same arguments as _Attention.forward; returns (x [B, L, dim], k, v)."""
+        attended, k, v = self.attn(self.attn_norm(x), cos, sin, mask, past)
+        x = x + attended
+        return x + self.mlp(self.mlp_norm(x)), k, v
+
+
+def _query_mask(attention_mask: Tensor | None, input_ids: Tensor) -> tuple[Tensor, Tensor | None]:
+    """Split ``attention_mask`` into (real-token flags [B, L], explicit mask [B|1, L, Lk] or None)."""
+    if attention_mask is None:
+        return torch.ones_like(input_ids, dtype=torch.bool), None
+    if attention_mask.dim() == 2:
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(f"2-D attention_mask must match input_ids {tuple(input_ids.shape)}, "
+                             f"got {tuple(attention_mask.shape)}")
+        return attention_mask.bool(), None
+    if attention_mask.dtype != torch.bool:
+        raise ValueError(f"3-D/4-D attention_mask must be bool (True = attend), got {attention_mask.dtype}")
+    if attention_mask.dim() == 4:
+        if attention_mask.shape[1] != 1:
+            raise ValueError(f"4-D attention_mask must be [B, 1, Lq, Lk], got {tuple(attention_mask.shape)}")
+        attention_mask = attention_mask[:, 0]
+    if attention_mask.dim() != 3:
+        raise ValueError(f"attention_mask must be [B, L], [B, Lq, Lk] or [B, 1, Lq, Lk], "
+                         f"got {tuple(attention_mask.shape)}")
+    return torch.ones_like(input_ids, dtype=torch.bool), attention_mask
+
+
+def _never_empty(mask: Tensor, n_past: int) -> Tensor:
+    """Let a query that sees no key see itself, so padding rows give finite (unused) values.  # [B, Lq, Lk]"""
+    n_query, n_key = mask.shape[-2:]
+    query_index = torch.arange(n_query, device=mask.device)[:, None] + n_past
+    diagonal = torch.arange(n_key, device=mask.device)[None, :] == query_index
+    return mask | (diagonal & ~mask.any(dim=-1, keepdim=True))
+
+
+class TransformerLM(nn.Module):
+    """Tokens in, logits out: ``model(input_ids [B, L]) -> logits [B, L, V]`` (float32).
+
+    Logits are cast to float32 after the output projection, which runs in the model's dtype (a float32
+    projection would dominate a small bf16 model's time). Diffusion layouts set the mask token's logit
+    to -inf, so no sampler can emit it.
+    """
+
+    def __init__(self, config: TransformerConfig):
+        super().__init__()
+        self.config = config
+        self.layout = config.layout
+        self.vocab_size = config.vocab_size
+        if config.layout != "causal":  # only diffusion models carry a mask token (protocol by attribute)
+            self.mask_token_id = config.mask_token_id
+        if config.layout == "block_causal":  # samplers then pass block_offset (see dllm.protocols)
+            self.block_size = config.block_size
+        self.eos_token_id, self.pad_token_id = config.eos_token_id, config.pad_token_id
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(_Block(config) for _ in range(config.n_layers))
+        self.norm = _RMSNorm(config.dim, config.norm_eps)
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.rotary = _Rotary(config.head_dim, config.max_seq_len, config.rope_theta)
+        self._init_weights()
+        if config.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    def _init_weights(self) -> None:
+        """Normal(0, 0.02); projections into the residual stream scaled by 1/sqrt(2 n_layers) (GPT-2)."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear | nn.Embedding):
+                nn.init.normal_(module.weight, std=0.02)
+        residual_std = 0.02 / (2 * self.config.n_layers) ** 0.5
+        for layer in self.layers:
+            nn.init.normal_(layer.attn.wo.weight, std=residual_std)
+            nn.init.normal_(layer.mlp.w2.weight, std=residual_std)
+
+    def param_count(self) -> int:
+        """Number of parameters (tied embedding counted once)."""
+        return sum(p.numel() for p in self.parameters())
+
+    accepts_attention_mask = True  # capability flags read by the samplers (dllm.protocols)
+
+    @property
+    def cache_exact(self) -> bool:
+        """Cached logits equal uncached ones unless attention is bidirectional (then a cache is approximate)."""
+        return self.layout != "bidirectional"
+
+    def new_cache(self) -> KVCache:
+        """An empty cache for ``forward(..., cache=cache, use_cache=True)``."""
+        return KVCache()
+
+    def forward_cached(
+        self,
+        input_ids: Tensor,  # [N, n]
+        cache: KVCache,
+        *,
+        rows: Tensor | None = None,  # [N] cache row serving each input (copies may share one)
+        append: bool = True,
+        attention_mask: Tensor | None = None,  # [N, cache.length + n] 0/1 over cached + new keys
+        block_offset: int | Tensor = 0,
+        position_ids: Tensor | None = None,  # [N, n]; default: continue after the cache
+    ) -> Tensor:
+        """The protocol's cached call (dllm.protocols): new tokens against the cached prefix.  # [N, n, V]"""
+        if rows is not None:
+            if append:
+                raise ValueError("forward_cached: rows= reads shared cache rows and cannot append")
+            cache = cache.select(rows)
+        new_mask = None if attention_mask is None else attention_mask[:, attention_mask.shape[1] - input_ids.shape[1]:]
+        return self.forward(input_ids, attention_mask=new_mask, position_ids=position_ids, cache=cache,
+                            use_cache=append, block_offset=block_offset)
+
+    def forward(
+        self,
+        input_ids: Tensor,  # [B, L]
+        attention_mask: Tensor | None = None,  # [B, L] 0/1 padding, or bool [B, Lq, Lk] / [B, 1, Lq, Lk]
+        position_ids: Tensor | None = None,  # [B, L]
+        cache: KVCache | None = None,
+        use_cache: bool = False,
+        block_offset: int | Tensor = 0,  # int or [B]; block_causal only
+    ) -> Tensor:
+        """Logits at every input position, attending to ``cache`` (if given) then the inputs.  # [B, L, V]
+
+        attention_mask: a [B, L] 0/1 key-padding mask of the inputs (Hugging Face style; combined with
+        the layout mask, and default positions start at 0 on each row's first real token), or an explicit
+        bool mask over keys = cached + new (True = attend) that replaces the layout mask.
+        position_ids: default continues from the cache (0 without one), skipping padding.
+        use_cache: append this call's keys/values to ``cache`` (in place); otherwise the cache is only read.
+        """
+        if use_cache and cache is None:
+            raise ValueError("use_cache=True needs a cache to append to: pass cache=model.new_cache()")
+        query_valid, explicit = _query_mask(attention_mask, input_ids)
+        if position_ids is None:
+            start = cache.next_position()[:, None] if cache is not None and cache.length else 0
+            position_ids = start + (query_valid.long().cumsum(dim=-1) - 1).clamp(min=0)
+        self._check_positions(position_ids)
+        mask = self._attention_mask(position_ids, query_valid, explicit, cache, block_offset)
+        cos, sin = self.rotary(position_ids)
+        h = self.tok_embeddings(input_ids)
+        new_kv = []
+        for index, layer in enumerate(self.layers):
+            past = cache.layer(index) if cache is not None and cache.length else None
+            h, k, v = layer(h, cos, sin, mask, past)
+            new_kv.append((k, v))
+        if use_cache:
+            cache.append(new_kv, position_ids, query_valid)
+        return self._logits(h)
+
+    def _check_positions(self, position_ids: Tensor) -> None:
+        """Positions must index the rotary tables (a clear error instead of a device-side assert)."""
+        if position_ids.numel() and int(position_ids.max()) >= self.config.max_seq_len:
+            raise ValueError(f"position {int(position_ids.max())} >= max_seq_len ({self.config.max_seq_len})")
+
+    def _attention_mask(self, position_ids, query_valid, explicit, cache, block_offset) -> Tensor:
+        """Layout (or explicit) mask over cached + new keys, minus padding keys.  # [B, 1, L, P + L] bool"""
+        past_pos, past_valid = position_ids[:, :0], query_valid[:, :0]
+        if cache is not None and cache.length:
+            past_pos, past_valid = cache.positions, cache.valid
+        key_pos = torch.cat((past_pos, position_ids), dim=1)
+        key_valid = torch.cat((past_valid, query_valid), dim=1)
+        if explicit is None:
+            mask = layout_mask(self.layout, position_ids, key_pos, self.config.block_size, block_offset)
+        elif explicit.shape[-2:] != (position_ids.shape[1], key_pos.shape[1]):
+            expected = f"[B, {position_ids.shape[1]}, {key_pos.shape[1]}]"
+            raise ValueError(f"explicit attention_mask must be {expected} (queries, cached + new keys), "
+                             f"got {tuple(explicit.shape)}")
+        else:
+            mask = explicit
+        mask = _never_empty(mask & key_valid[:, None, :], n_past=past_pos.shape[1])
+        return rearrange(mask, "b q k -> b 1 q k")
+
+    def _logits(self, h: Tensor) -> Tensor:
+        """Final norm and output projection, as float32.  # [B, L, dim] -> [B, L, V]"""
+        logits = self.output(self.norm(h)).float()
+        if self.layout != "causal":
+            logits[..., self.mask_token_id] = float("-inf")
+        return logits
+
+    def save_pretrained(self, folder: str | Path) -> None:
+        """Write ``config.json`` and ``model.safetensors`` (tied output weight stored once) to folder."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / CONFIG_NAME).write_text(json.dumps(self.config.to_dict(), indent=2) + "\n")
+        state = {name: t.contiguous() for name, t in self.state_dict().items()}
+        if self.config.tie_embeddings:
+            del state["output.weight"]  # safetensors refuses shared storage; re-tied on load
+        save_file(state, str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
+
+    @classmethod
+    def from_pretrained(
+        cls, folder: str | Path, device: str | torch.device | None = None, dtype: torch.dtype | None = None
+    ) -> TransformerLM:
+        """Load a model saved by ``save_pretrained``; dtype None keeps the saved dtype."""
+        folder = Path(folder)
+        config = TransformerConfig.from_dict(json.loads((folder / CONFIG_NAME).read_text()))
+        state = load_file(str(folder / WEIGHTS_NAME))
+        model = cls(config).to(dtype=dtype or next(iter(state.values())).dtype)
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        allowed_missing = ["output.weight"] if config.tie_embeddings else []
+        if unexpected or sorted(missing) != allowed_missing:
+            raise ValueError(f"{folder / WEIGHTS_NAME} does not match its config: "
+                             f"missing {missing}, unexpected {unexpected}")
+        return model.to(device=device).eval()

@@ -1,0 +1,72 @@
+"""Entry points of the masked-diffusion samplers: build the canvas, pick the session, run the stepper."""
+
+from __future__ import annotations
+
+import torch
+
+from dllm.stats import DecodeStats
+
+from .canvas import SESSIONS, Caller, Canvas, choose_session, decode
+from .fef import FefStepper
+from .masked import DreamStepper, EbStepper, FastDllmStepper, LladaStepper
+from .sequential import SequentialStepper
+
+
+def run(stepper, model, prompt, gen_length, *, stats: DecodeStats, block_length: int, cache: str = "auto",
+        attention_mask: torch.Tensor | None = None, eos_token_id: int | None = None, callback=None) -> torch.Tensor:
+    """Decode ``gen_length`` masked positions after ``prompt`` [B, P] with ``stepper`` -> [B, P + N]."""
+    canvas = Canvas.start(prompt, gen_length, block_length, model.mask_token_id, eos_token_id)
+    length = canvas.x.shape[1]
+    mask = None
+    if attention_mask is not None:
+        mask = torch.ones((prompt.shape[0], length), dtype=torch.long, device=prompt.device)
+        mask[:, : prompt.shape[1]] = attention_mask
+    # Block-causal models line their blocks up with the answer: its first position, in position ids.
+    offset = None
+    if getattr(model, "block_size", None) is not None:
+        real = attention_mask.sum(dim=1) if attention_mask is not None else torch.full_like(prompt[:, 0], prompt.shape[1])
+        offset = real.long()
+    session = SESSIONS[choose_session(cache, model, block_length)](canvas, Caller(model, stats, mask, offset))
+    return decode(canvas, session, stepper, callback)
+
+
+def _common(kw: dict) -> dict:
+    return {k: kw.pop(k) for k in ("block_length", "cache", "attention_mask", "eos_token_id", "callback") if k in kw}
+
+
+def sequential(model, prompt, gen_length, *, temperature, generator, stats, order="left_to_right", **kw):
+    stepper = SequentialStepper(temperature, generator, stats, order)
+    return run(stepper, model, prompt, gen_length, stats=stats, **_common(kw))
+
+
+def fef(model, prompt, gen_length, *, temperature, generator, stats, order="left_to_right", window=4,
+        draft="marginal", **kw):
+    stepper = FefStepper(temperature, generator, stats, order, window, draft)
+    return run(stepper, model, prompt, gen_length, stats=stats, **_common(kw))
+
+
+def llada(model, prompt, gen_length, *, temperature, generator, stats, steps, remasking="low_confidence",
+          cfg_scale=0.0, **kw):
+    common = _common(kw)
+    steps_per_block = steps // (gen_length // common["block_length"])
+    stepper = LladaStepper(temperature, generator, stats, steps_per_block, common["block_length"], remasking,
+                           cfg_scale)
+    return run(stepper, model, prompt, gen_length, stats=stats, **common)
+
+
+def dream(model, prompt, gen_length, *, temperature, generator, stats, steps, alg="maskgit_plus", alg_temp=None,
+          top_p=None, top_k=None, **kw):
+    common = _common(kw)
+    steps_per_block = steps // (gen_length // common["block_length"])
+    stepper = DreamStepper(temperature, generator, stats, steps_per_block, alg, alg_temp, top_p, top_k)
+    return run(stepper, model, prompt, gen_length, stats=stats, **common)
+
+
+def fast_dllm(model, prompt, gen_length, *, temperature, generator, stats, threshold=None, factor=None, **kw):
+    stepper = FastDllmStepper(temperature, generator, stats, threshold, factor)
+    return run(stepper, model, prompt, gen_length, stats=stats, **_common(kw))
+
+
+def eb(model, prompt, gen_length, *, temperature, generator, stats, gamma=0.01, **kw):
+    stepper = EbStepper(temperature, generator, stats, gamma)
+    return run(stepper, model, prompt, gen_length, stats=stats, **_common(kw))

@@ -1,0 +1,175 @@
+"""Caches, ragged prompts and EOS on the project's transformer: exact caches change nothing."""
+
+import pytest
+import torch
+from stat_tools import ALPHA, chi_square_pvalue
+
+import dllm
+from dllm.models.transformer import TransformerConfig, TransformerLM
+from dllm.samplers import sequential_distribution
+
+
+def tiny(layout, vocab=40, block_size=4, seed=0, eos=1):
+    torch.manual_seed(seed)
+    config = TransformerConfig(vocab_size=vocab, dim=32, n_layers=2, n_heads=2, max_seq_len=64, layout=layout,
+                               block_size=block_size if layout == "block_causal" else None,
+                               mask_token_id=None if layout == "causal" else 2, eos_token_id=eos)
+    model = TransformerLM(config).eval()
+    with torch.no_grad():  # sharpen the random model so greedy paths are not decided by float noise
+        model.output.weight.mul_(20.0)
+    return model
+
+
+PROMPTS = torch.tensor([[5, 9, 7, 11, 3], [0, 0, 8, 4, 6], [0, 12, 13, 14, 15]])
+MASK = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1], [0, 1, 1, 1, 1]])
+
+
+@pytest.mark.parametrize("sampler,options", [
+    ("sequential", {}), ("sequential", {"order": "confidence"}), ("fef", {"window": 3}),
+    ("fef", {"window": 4, "draft": "stale", "order": "confidence"}), ("llada", {"steps": 6}),
+    ("fast_dllm", {"threshold": 0.5}), ("eb", {}), ("dream", {"steps": 6}),
+])
+def test_block_cache_equals_uncached_at_temperature_zero(sampler, options):
+    model = tiny("block_causal")
+    common = dict(sampler=sampler, max_new_tokens=12, temperature=0.0, block_length=4, attention_mask=MASK,
+                  eos_token_id=None, **options)
+    with torch.no_grad():
+        plain = dllm.generate(model, PROMPTS, cache="none", **common)
+        cached = dllm.generate(model, PROMPTS, cache="block", **common)
+        auto = dllm.generate(model, PROMPTS, **common)
+    assert torch.equal(plain.sequences, cached.sequences) and torch.equal(plain.sequences, auto.sequences)
+    assert cached.stats.forward_tokens < plain.stats.forward_tokens and cached.exact == plain.exact
+    assert auto.options["cache"] == "auto"
+
+
+def test_block_cache_logits_match_uncached():
+    model = tiny("block_causal")
+    x = torch.cat([PROMPTS[:1], torch.full((1, 8), 2)], dim=1)
+    x[0, 5:9] = torch.tensor([20, 21, 22, 23])  # first answer block done, second masked
+    offset = torch.tensor([5])
+    with torch.no_grad():
+        full = model(x, block_offset=offset)
+        cache = model.new_cache()
+        model.forward_cached(x[:, :9], cache, block_offset=offset)
+        copies = x[:, 9:13].repeat(3, 1)
+        copies[1, 0], copies[2, :2] = 30, torch.tensor([30, 31])
+        cached = model.forward_cached(copies, cache, rows=torch.zeros(3, dtype=torch.long), append=False,
+                                      block_offset=offset.repeat(3))
+        reference = torch.stack([model(torch.cat([x[:, :9], c[None]], 1), block_offset=offset)[0, 9:] for c in copies])
+    assert torch.allclose(cached, reference, atol=1e-4)
+    assert torch.allclose(cached[0], full[0, 9:], atol=1e-4)
+
+
+@pytest.mark.parametrize("sampler,options", [("ar", {}), ("ar_spec", {}), ("ar_spec", {"num_draft_tokens": 2})])
+def test_causal_cache_equals_uncached(sampler, options):
+    model = tiny("causal")
+    drafter = tiny("causal", seed=1)
+    if sampler == "ar_spec" and options:
+        options = {**options, "drafter": drafter}
+    common = dict(sampler=sampler, max_new_tokens=14, temperature=0.0, attention_mask=MASK, eos_token_id=None,
+                  **options)
+    with torch.no_grad():
+        plain = dllm.generate(model, PROMPTS, cache="none", **common)
+        cached = dllm.generate(model, PROMPTS, **common)
+        reference = dllm.generate(model, PROMPTS, sampler="ar", max_new_tokens=14, temperature=0.0,
+                                  attention_mask=MASK, eos_token_id=None, cache="none")
+    assert torch.equal(plain.sequences, cached.sequences)
+    assert torch.equal(cached.sequences, reference.sequences)
+    assert cached.stats.forward_tokens < plain.stats.forward_tokens
+
+
+@pytest.mark.parametrize("layout,sampler", [("block_causal", "fef"), ("bidirectional", "sequential"),
+                                            ("causal", "ar"), ("causal", "ar_spec")])
+def test_left_padded_row_equals_row_alone(layout, sampler):
+    model = tiny(layout)
+    options = {"block_length": 4} if sampler == "fef" else {}
+    with torch.no_grad():
+        batch = dllm.generate(model, PROMPTS, sampler=sampler, max_new_tokens=8, temperature=0.0,
+                              attention_mask=MASK, eos_token_id=None, **options)
+        alone = dllm.generate(model, PROMPTS[1:2, 2:], sampler=sampler, max_new_tokens=8, temperature=0.0,
+                              eos_token_id=None, **options)
+    assert torch.equal(batch.sequences[1, 5:], alone.sequences[0, 3:])
+
+
+def test_approximate_caches_are_labelled():
+    model = tiny("bidirectional")
+    for cache in ("prefix", "dual"):
+        with torch.no_grad():
+            out = dllm.generate(model, PROMPTS, sampler="fef", max_new_tokens=8, block_length=4, cache=cache,
+                                generator=torch.Generator().manual_seed(0))
+        assert out.exact is False and out.options["cache"] == cache
+    with pytest.raises(ValueError, match="cache='block' is exact only for a block-causal model"):
+        dllm.generate(model, PROMPTS, sampler="fef", max_new_tokens=8, block_length=4, cache="block")
+    with pytest.raises(ValueError, match="cache='prefix' needs a model with new_cache"):
+        dllm.generate(dllm.HMMOracle.random(), torch.tensor([[0, 1]]), max_new_tokens=4, cache="prefix")
+
+
+class Counting:
+    """Causal stub: the next token is the last one plus one (mod 10); token 7 is EOS."""
+
+    vocab_size, eos_token_id = 10, 7
+
+    def __call__(self, ids):
+        logits = torch.full((*ids.shape, 10), -10.0)
+        logits.scatter_(-1, ((ids + 1) % 10)[..., None], 10.0)
+        return logits
+
+
+class Positional:
+    """Diffusion stub: position i (from the answer start at 2) holds token i % 6 + 3, and 9 (EOS) at 7."""
+
+    vocab_size, mask_token_id, eos_token_id = 11, 10, 9
+
+    def __call__(self, ids):
+        positions = torch.arange(ids.shape[1])
+        target = torch.where(positions == 7, 9, positions % 6 + 3)
+        logits = torch.full((*ids.shape, 11), -10.0)
+        logits[..., 10] = float("-inf")
+        logits.scatter_(-1, target.expand_as(ids)[..., None], 10.0)
+        return logits
+
+
+@pytest.mark.parametrize("sampler", ["ar", "ar_spec"])
+def test_eos_stops_causal_rows_and_is_not_counted(sampler):
+    out = dllm.generate(Counting(), torch.tensor([[2, 3], [7, 8]]), sampler=sampler, max_new_tokens=6,
+                        temperature=0.0)
+    assert out.sequences[:, 2:].tolist() == [[4, 5, 6, 7, 7, 7], [9, 0, 1, 2, 3, 4]]
+    assert out.stats.new_tokens == 4 + 6
+    if sampler == "ar":
+        assert out.stats.row_calls == 4 + 6  # the stopped row costs nothing after its EOS
+
+
+@pytest.mark.parametrize("sampler,options", [("sequential", {}), ("fef", {"window": 3}), ("llada", {"steps": 4})])
+def test_eos_stops_diffusion_rows(sampler, options):
+    out = dllm.generate(Positional(), torch.tensor([[0, 1]]), sampler=sampler, max_new_tokens=8, temperature=0.0,
+                        **options)
+    assert out.sequences[0, 2:].tolist() == [5, 6, 7, 8, 3, 9, 9, 9]
+    assert out.stats.new_tokens == 6
+    off = dllm.generate(Positional(), torch.tensor([[0, 1]]), sampler=sampler, max_new_tokens=8, temperature=0.0,
+                        eos_token_id=None, **options)
+    assert off.sequences[0, 2:].tolist() == [5, 6, 7, 8, 3, 9, 5, 6] and off.stats.new_tokens == 8
+
+
+def test_attention_mask_validation():
+    model = tiny("block_causal")
+    with pytest.raises(ValueError, match="left padding"):
+        dllm.generate(model, PROMPTS, max_new_tokens=4, attention_mask=torch.tensor([[1, 0, 1, 1, 1]] * 3))
+    with pytest.raises(ValueError, match="shaped like input_ids"):
+        dllm.generate(model, PROMPTS, max_new_tokens=4, attention_mask=MASK[:2])
+    with pytest.raises(ValueError, match="does not accept attention_mask"):
+        dllm.generate(dllm.HMMOracle.random(), torch.tensor([[0, 1]]), max_new_tokens=4,
+                      attention_mask=torch.tensor([[0, 1]]))
+
+
+def test_fef_with_block_cache_is_exact():
+    """Statistical exactness of cached verification on a real (random) block-causal transformer."""
+    model = tiny("block_causal", vocab=5, block_size=2, seed=4, eos=None)
+    with torch.no_grad():
+        model.output.weight.mul_(0.1)  # back to a spread-out distribution over the 4 tokens
+        prompt = torch.tensor([0, 3])
+        expected = sequential_distribution(model, prompt, 4, block_length=2)
+        out = dllm.generate(model, prompt.expand(6000, -1), sampler="fef", max_new_tokens=4, block_length=2,
+                            window=2, cache="block", generator=torch.Generator().manual_seed(0))
+    assert out.options["cache"] == "block"
+    assert chi_square_pvalue(out.sequences[:, 2:], expected) > ALPHA
+    assert out.stats.accepted < out.stats.drafted
