@@ -5,6 +5,8 @@
 """
 
 from dllm.api import GenerateOutput, generate
+from dllm.models.chat import apply_chat_template
+from dllm.models.loading import load
 from dllm.models.oracle import HMMOracle, InconsistentModel
 from dllm.protocols import CausalModel, DiffusionModel
 from dllm.stats import DecodeStats
@@ -18,5 +20,7 @@ __all__ = [
     "GenerateOutput",
     "HMMOracle",
     "InconsistentModel",
+    "apply_chat_template",
     "generate",
+    "load",
 ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import secrets
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,7 +14,6 @@ import torch
 from dllm.protocols import accepts_attention_mask, is_causal_model, is_diffusion_model
 from dllm.samplers import SAMPLERS, SamplerSpec
 from dllm.stats import DecodeStats
-
 
 APPROXIMATE_CACHES = ("prefix", "dual")  # Fast-dLLM caches: cached keys go stale, outputs drift
 
@@ -38,7 +38,7 @@ def generate(
     temperature: float = 1.0,
     generator: torch.Generator | None = None,
     attention_mask: torch.Tensor | None = None,
-    eos_token_id: int | None | str = "model",
+    eos_token_id: int | Sequence[int] | None | str = "model",
     **options: Any,
 ) -> GenerateOutput:
     """Generate ``max_new_tokens`` tokens after ``input_ids`` [B, P] with the named sampler.
@@ -48,8 +48,9 @@ def generate(
     ``dllm.samplers.SAMPLERS`` (e.g. ``window``, ``order``, ``block_length`` for fef). Without a
     ``generator`` a fresh one is seeded from the OS and its seed returned in ``GenerateOutput.seed``.
     ``attention_mask`` [B, P] (1 = token, 0 = left padding) allows ragged prompts for models that accept
-    it. Rows stop at ``eos_token_id`` (default: the model's ``eos_token_id`` attribute, if any; None
-    disables); tokens after a row's first EOS are filled with EOS and not counted as generated.
+    it. Rows stop at ``eos_token_id``: one id or several (default: the model's ``stop_token_ids`` or
+    ``eos_token_id`` attribute, if any; None disables); tokens after a row's first stop token are
+    filled with the first stop id and not counted as generated.
     """
     spec = _check_sampler(sampler)
     _check_model(model, spec)
@@ -63,21 +64,18 @@ def generate(
     elif not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     attention_mask = _check_attention_mask(attention_mask, input_ids, model)
-    if eos_token_id == "model":
-        eos_token_id = getattr(model, "eos_token_id", None)
-    if eos_token_id is not None:
-        _check_int("eos_token_id", eos_token_id, minimum=0)
+    stop_ids = _stop_ids(model, eos_token_id)
     resolved = spec.resolve(options, model=model, max_new_tokens=max_new_tokens)
 
     stats = DecodeStats()
     _synchronize(input_ids.device)
     start = time.perf_counter()
     sequences = spec.run(model, input_ids, max_new_tokens, temperature=temperature, generator=generator,
-                         stats=stats, attention_mask=attention_mask, eos_token_id=eos_token_id, **resolved)
+                         stats=stats, attention_mask=attention_mask, eos_token_id=stop_ids, **resolved)
     _synchronize(input_ids.device)
     stats.wall_time_s = time.perf_counter() - start
-    if eos_token_id is not None:
-        stats.new_tokens = int(answer_lengths(sequences[:, input_ids.shape[1] :], eos_token_id).sum())
+    if stop_ids is not None:
+        stats.new_tokens = int(answer_lengths(sequences[:, input_ids.shape[1] :], stop_ids).sum())
     shown = {k: v for k, v in resolved.items() if k != "callback"}
     if "drafter" in shown and not isinstance(shown["drafter"], str):
         shown["drafter"] = type(shown["drafter"]).__name__
@@ -85,9 +83,10 @@ def generate(
     return GenerateOutput(sequences, stats, sampler, shown, exact, seed)
 
 
-def answer_lengths(answers: torch.Tensor, eos_token_id: int) -> torch.Tensor:
-    """Generated tokens per row up to and including the first EOS (all of them without one) -> [B]."""
-    is_eos = answers == eos_token_id
+def answer_lengths(answers: torch.Tensor, eos_token_id: int | Sequence[int]) -> torch.Tensor:
+    """Generated tokens per row up to and including the first stop token (all without one) -> [B]."""
+    ids = (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id)
+    is_eos = torch.isin(answers, torch.tensor(ids, device=answers.device))
     return torch.where(is_eos.any(dim=1), is_eos.long().argmax(dim=1) + 1, answers.shape[1])
 
 
@@ -129,6 +128,22 @@ def _check_input_ids(input_ids, model, spec: SamplerSpec) -> None:
     mask_id = getattr(model, "mask_token_id", None)
     if spec.model_kind == "diffusion" and bool((input_ids == mask_id).any()):
         raise ValueError(f"input_ids must not contain the mask token (id {mask_id}) in the prompt")
+
+
+def _stop_ids(model, eos_token_id) -> tuple[int, ...] | None:
+    """Normalise ``eos_token_id`` (one id, several, None, or "model") to a tuple of ids or None."""
+    if isinstance(eos_token_id, str):
+        if eos_token_id != "model":
+            raise ValueError(f"eos_token_id must be an int, a sequence of ints, None or 'model', got {eos_token_id!r}")
+        eos_token_id = getattr(model, "stop_token_ids", None) or getattr(model, "eos_token_id", None)
+    if eos_token_id is None:
+        return None
+    ids = (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id)
+    for value in ids:
+        _check_int("eos_token_id", value, minimum=0)
+    if not ids or max(ids) >= model.vocab_size:
+        raise ValueError(f"eos_token_id must name ids in [0, vocab_size={model.vocab_size}), got {list(ids)}")
+    return ids
 
 
 def _check_attention_mask(attention_mask, input_ids: torch.Tensor, model) -> torch.Tensor | None:

@@ -21,7 +21,7 @@ from dllm.numerics import forbid_token, sample_from_logits, softmax
 from dllm.protocols import has_cache, is_diffusion_model
 from dllm.stats import DecodeStats
 
-from .canvas import Caller
+from .canvas import Caller, is_stop
 from .verify import verify
 
 
@@ -48,8 +48,8 @@ def ar(
         stats.count_round(torch.ones_like(token))
         if callback is not None:
             callback({"sampler": "ar", "rows": rows, "x": seq[rows, : end + 1]})
-        if eos_token_id is not None and bool((token == eos_token_id).any()):
-            keep = token != eos_token_id
+        if eos_token_id is not None and bool(is_stop(token, eos_token_id).any()):
+            keep = ~is_stop(token, eos_token_id)
             rows = rows[keep]
             kv = kv.select(keep.nonzero().squeeze(-1)) if kv is not None and rows.numel() else kv
             if not rows.numel():
@@ -105,10 +105,10 @@ def _use_cache(cache: str, model) -> bool:
     return cache != "none" and has_cache(model)
 
 
-def _buffer(prompt: torch.Tensor, gen_length: int, eos_token_id: int | None) -> torch.Tensor:
+def _buffer(prompt: torch.Tensor, gen_length: int, eos_token_id: tuple[int, ...] | None) -> torch.Tensor:
     """[B, P + N] holding the prompt, then EOS (or 0) where rows stop early."""
-    seq = torch.full((prompt.shape[0], prompt.shape[1] + gen_length), eos_token_id or 0, dtype=torch.long,
-                     device=prompt.device)
+    fill = eos_token_id[0] if eos_token_id else 0
+    seq = torch.full((prompt.shape[0], prompt.shape[1] + gen_length), fill, dtype=torch.long, device=prompt.device)
     seq[:, : prompt.shape[1]] = prompt
     return seq
 
@@ -122,13 +122,13 @@ def _full_mask(attention_mask, batch: int, length: int, device) -> torch.Tensor 
     return full
 
 
-def _cut_at_eos(tokens: torch.Tensor, num_emitted: torch.Tensor, eos_token_id: int | None):
+def _cut_at_eos(tokens: torch.Tensor, num_emitted: torch.Tensor, eos_token_id: tuple[int, ...] | None):
     """Emitted counts cut just after the first EOS among each row's emitted tokens, and which rows
     emitted one -> ([R], bool [R])."""
     if eos_token_id is None:
         return num_emitted, torch.zeros_like(num_emitted, dtype=torch.bool)
     offsets = torch.arange(tokens.shape[1], device=tokens.device)
-    is_eos = (tokens == eos_token_id) & (offsets[None, :] < num_emitted[:, None])
+    is_eos = is_stop(tokens, eos_token_id) & (offsets[None, :] < num_emitted[:, None])
     stopped = is_eos.any(dim=1)
     return torch.where(stopped, is_eos.long().argmax(dim=1) + 1, num_emitted), stopped
 

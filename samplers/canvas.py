@@ -33,12 +33,12 @@ class Canvas:
     prompt_length: int
     block_length: int
     mask_token_id: int
-    eos_token_id: int | None = None
+    eos_token_id: tuple[int, ...] | None = None  # stop tokens; the first one fills stopped rows
     finished: torch.Tensor | None = None  # [B] rows that stopped at EOS
 
     @classmethod
     def start(cls, prompt: torch.Tensor, gen_length: int, block_length: int, mask_token_id: int,
-              eos_token_id: int | None = None) -> Canvas:
+              eos_token_id: tuple[int, ...] | None = None) -> Canvas:
         answer = torch.full((prompt.shape[0], gen_length), mask_token_id, dtype=torch.long, device=prompt.device)
         finished = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
         return cls(torch.cat([prompt.long(), answer], dim=1), prompt.shape[1], block_length, mask_token_id,
@@ -68,13 +68,18 @@ class Canvas:
         if self.eos_token_id is None or not rows.numel():
             return
         answer = self.x[rows, self.prompt_length :]
-        is_eos = answer == self.eos_token_id
+        is_eos = is_stop(answer, self.eos_token_id)
         first = torch.where(is_eos.any(dim=1), is_eos.long().argmax(dim=1), answer.shape[1])
         before = torch.arange(answer.shape[1], device=answer.device)[None, :] < first[:, None]
         done = is_eos.any(dim=1) & ~((answer == self.mask_token_id) & before).any(dim=1)
-        answer = torch.where(done[:, None] & ~before, self.eos_token_id, answer)
+        answer = torch.where(done[:, None] & ~before, self.eos_token_id[0], answer)
         self.x[rows, self.prompt_length :] = answer
         self.finished[rows] |= done
+
+
+def is_stop(tokens: torch.Tensor, stop_ids: tuple[int, ...]) -> torch.Tensor:
+    """Which entries of ``tokens`` are stop (EOS) tokens -> bool, same shape."""
+    return torch.isin(tokens, torch.tensor(stop_ids, device=tokens.device))
 
 
 def block_candidates(x: torch.Tensor, block_ids: torch.Tensor, mask_token_id: int) -> torch.Tensor:

@@ -12,8 +12,10 @@ from .masked import DreamStepper, EbStepper, FastDllmStepper, LladaStepper
 from .sequential import SequentialStepper
 
 
-def run(stepper, model, prompt, gen_length, *, stats: DecodeStats, block_length: int, cache: str = "auto",
-        attention_mask: torch.Tensor | None = None, eos_token_id: int | None = None, callback=None) -> torch.Tensor:
+def run(
+    stepper, model, prompt, gen_length, *, stats: DecodeStats, block_length: int, cache: str = "auto",
+    attention_mask: torch.Tensor | None = None, eos_token_id: tuple[int, ...] | None = None, callback=None,
+) -> torch.Tensor:
     """Decode ``gen_length`` masked positions after ``prompt`` [B, P] with ``stepper`` -> [B, P + N]."""
     canvas = Canvas.start(prompt, gen_length, block_length, model.mask_token_id, eos_token_id)
     length = canvas.x.shape[1]
@@ -24,8 +26,8 @@ def run(stepper, model, prompt, gen_length, *, stats: DecodeStats, block_length:
     # Block-causal models line their blocks up with the answer: its first position, in position ids.
     offset = None
     if getattr(model, "block_size", None) is not None:
-        real = attention_mask.sum(dim=1) if attention_mask is not None else torch.full_like(prompt[:, 0], prompt.shape[1])
-        offset = real.long()
+        real = prompt.new_full((prompt.shape[0],), prompt.shape[1])
+        offset = (attention_mask.sum(dim=1) if attention_mask is not None else real).long()
     session = SESSIONS[choose_session(cache, model, block_length)](canvas, Caller(model, stats, mask, offset))
     return decode(canvas, session, stepper, callback)
 

@@ -135,11 +135,11 @@ def _check_cache(values: dict[str, Any], model) -> None:
         raise ValueError(f"cache='dual' needs a cache with drop(start, end); {type(model).__name__}'s has none")
     if cache == "block":
         block = values.get("block_length")
-        if not getattr(model, "cache_exact", False) or getattr(model, "block_size", None) != block:
+        size, exact = getattr(model, "block_size", None), getattr(model, "cache_exact", False)
+        if not exact or size != block:
             raise ValueError(f"cache='block' is exact only for a block-causal model whose block_size equals "
-                             f"block_length={block}; this model has block_size="
-                             f"{getattr(model, 'block_size', None)}, cache_exact={getattr(model, 'cache_exact', False)}."
-                             " Use cache='prefix' for the approximate Fast-dLLM prefix cache")
+                             f"block_length={block}; this model has block_size={size}, cache_exact={exact}. "
+                             "Use cache='prefix' for the approximate Fast-dLLM prefix cache")
     if values.get("cfg_scale", 0.0) > 0:
         raise ValueError("cfg_scale > 0 needs full-sequence calls: use cache='none' (or 'auto')")
 

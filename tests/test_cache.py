@@ -2,11 +2,12 @@
 
 import pytest
 import torch
-from stat_tools import ALPHA, chi_square_pvalue
 
 import dllm
 from dllm.models.transformer import TransformerConfig, TransformerLM
 from dllm.samplers import sequential_distribution
+
+from stat_tools import ALPHA, chi_square_pvalue
 
 
 def tiny(layout, vocab=40, block_size=4, seed=0, eos=1):

@@ -6,11 +6,12 @@ ALPHA. The power tests show the same test rejects samplers that are not exact.
 
 import pytest
 import torch
-from dllm.samplers import sequential_distribution
-from stat_tools import ALPHA, chi_square_pvalue
 
 import dllm
 from dllm.models.oracle import HMMOracle, InconsistentModel
+from dllm.samplers import sequential_distribution
+
+from stat_tools import ALPHA, chi_square_pvalue
 
 N_SAMPLES = 12000
 PROMPT = torch.tensor([0, 2])

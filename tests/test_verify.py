@@ -6,10 +6,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats as scipy_stats
-from stat_tools import ALPHA
 
 from dllm.numerics import softmax
 from dllm.samplers import verify
+
+from stat_tools import ALPHA
 
 
 def gen(seed=0):

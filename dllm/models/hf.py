@@ -1,0 +1,379 @@
+"""Hugging Face checkpoints as dllm models: LLaDA, Dream, masked LMs and causal LMs.
+
+Each adapter turns a checkpoint's quirks into the protocols of ``dllm.protocols``:
+  - ``LLaDAAdapter``: LLaDA's remote code, ``model(input_ids).logits``, bidirectional.
+  - ``DreamAdapter``: Dream's remote code, whose raw logits at i score token i + 1; they are shifted back.
+  - ``MaskedLMAdapter``: any ``AutoModelForMaskedLM`` (BERT, ModernBERT, ...) as a one-noise-level diffusion model.
+  - ``CausalLMAdapter``: any ``AutoModelForCausalLM`` (Llama, Qwen3, GPT-2, ...) with the exact KV-cache capability.
+
+Every adapter returns float32 logits [B, L, V] on the model's device under ``torch.inference_mode()``, V being
+the output layer's size (configs often pad the vocabulary beyond the tokenizer), and carries ``tokenizer``,
+``vocab_size``, ``eos_token_id``, ``pad_token_id``, ``stop_token_ids``, ``accepts_attention_mask``, ``device``
+and ``dtype``. Diffusion adapters also carry ``mask_token_id`` and set that token's logit to -inf.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from einops import rearrange
+from torch import Tensor
+from transformers import DynamicCache
+
+# Chat templates end an assistant turn with one of these (LLaDA/Llama 3, Qwen/Dream, Gemma).
+END_OF_TURN_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|end_of_turn|>", "<end_of_turn>")
+
+
+def positions_from_mask(attention_mask: Tensor) -> Tensor:
+    """Position ids that count real tokens only, 0 at each row's first one (HF generate's rule).  # [B, L]"""
+    return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
+
+
+def _takes(fn, name: str) -> bool:
+    """Whether ``fn`` names a parameter ``name`` (``**kwargs`` does not count: it may drop the value)."""
+    return name in inspect.signature(fn).parameters
+
+
+def _first_id(value: Any) -> int | None:
+    """A token id from a field that may hold an int, a list of ints (Llama 3's eos) or None."""
+    if isinstance(value, list | tuple):
+        value = value[0] if value else None
+    return None if value is None else int(value)
+
+
+def _special_id(name: str, tokenizer, config) -> int | None:
+    """``{name}_token_id`` from the tokenizer, else from the config."""
+    value = getattr(tokenizer, f"{name}_token_id", None)
+    return _first_id(value if value is not None else getattr(config, f"{name}_token_id", None))
+
+
+def _output_size(model) -> int:
+    """The logits' last dim: rows of the output layer, else ``config.vocab_size``."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    return int(weight.shape[0]) if weight is not None else int(model.config.vocab_size)
+
+
+def _padding_mask(attention_mask: Tensor | None, input_ids: Tensor) -> Tensor | None:
+    """The 0/1 mask as long on the inputs' device, or None when it hides nothing (then the plain path runs)."""
+    if attention_mask is None:
+        return None
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, "
+                         f"got {tuple(attention_mask.shape)}")
+    mask = attention_mask.to(device=input_ids.device, dtype=torch.long)
+    return None if bool(mask.all()) else mask
+
+
+class _HFAdapter:
+    """Shared plumbing: the wrapped model, its tokenizer, special ids, device and dtype."""
+
+    accepts_attention_mask = True
+
+    def __init__(self, model, tokenizer=None):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.config = model.config
+        self.vocab_size = _output_size(model)
+        self.eos_token_id = _special_id("eos", tokenizer, model.config)
+        self.pad_token_id = _special_id("pad", tokenizer, model.config)
+        vocab = tokenizer.get_vocab() if tokenizer is not None else {}
+        stops = [self.eos_token_id, *(vocab.get(token) for token in END_OF_TURN_TOKENS)]
+        self.stop_token_ids = tuple(dict.fromkeys(i for i in stops if i is not None))  # EOS first
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    # Why padding cannot be honoured when accepts_attention_mask is False (subclasses say more).
+    _padding_note = "its forward takes no position_ids, so padding would shift every position"
+
+    def _refuse_padding(self) -> None:
+        raise ValueError(f"{type(self).__name__} cannot honour left padding for this checkpoint "
+                         f"(accepts_attention_mask is False): {self._padding_note}. Pass equal-length rows "
+                         "without padding, or one row per call.")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({type(self.model).__name__}, vocab_size={self.vocab_size})"
+
+
+# ------------------------------------------------------------------ diffusion adapters
+
+
+def find_mask_token_id(config, tokenizer, token_names: tuple[str, ...] = ()) -> int | None:
+    """The mask id from ``config.mask_token_id``, else ``tokenizer.mask_token_id``, else a named token.
+
+    Raises when config and tokenizer both name one and they differ (a silent pick could be the wrong one).
+    """
+    from_config = _first_id(getattr(config, "mask_token_id", None))
+    from_tokenizer = _first_id(getattr(tokenizer, "mask_token_id", None))
+    if from_config is not None and from_tokenizer is not None and from_config != from_tokenizer:
+        raise ValueError(f"config.mask_token_id ({from_config}) and tokenizer.mask_token_id ({from_tokenizer}) "
+                         "differ; pass mask_token_id= to choose")
+    if from_config is not None or from_tokenizer is not None:
+        return from_config if from_config is not None else from_tokenizer
+    vocab = tokenizer.get_vocab() if tokenizer is not None else {}
+    return next((vocab[name] for name in token_names if name in vocab), None)
+
+
+class _DiffusionAdapter(_HFAdapter):
+    """A masked-diffusion denoiser: ``logits[:, i]`` scores the clean token at i; the mask's logit is -inf."""
+
+    mask_token_names: tuple[str, ...] = ()  # tokens that mean "mask" when config and tokenizer name none
+
+    def __init__(self, model, tokenizer=None, mask_token_id: int | None = None):
+        super().__init__(model, tokenizer)
+        if mask_token_id is None:
+            mask_token_id = find_mask_token_id(model.config, tokenizer, self.mask_token_names)
+        if mask_token_id is None:
+            names = f" nor one of the tokens {list(self.mask_token_names)}" if self.mask_token_names else ""
+            raise ValueError(f"{type(self).__name__} needs a mask token, but config.mask_token_id is missing and "
+                             f"the tokenizer has no mask_token{names}; pass mask_token_id= to dllm.load")
+        if isinstance(mask_token_id, bool) or not isinstance(mask_token_id, int) \
+                or not 0 <= mask_token_id < self.vocab_size:
+            raise ValueError(f"mask_token_id must be an int in [0, vocab_size={self.vocab_size}), "
+                             f"got {mask_token_id!r}")
+        self.mask_token_id = mask_token_id
+
+    @torch.inference_mode()
+    def __call__(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        """Clean-token logits at every position; attention_mask [B, L] is 0 on left padding.  # -> [B, L, V]"""
+        input_ids = input_ids.to(self.device)
+        logits = self._logits(input_ids, _padding_mask(attention_mask, input_ids)).float()
+        logits[..., self.mask_token_id] = float("-inf")
+        return logits
+
+    def _logits(self, input_ids: Tensor, mask: Tensor | None) -> Tensor:
+        raise NotImplementedError
+
+
+def _honours_padding(logits_fn, device: torch.device) -> bool:
+    """Whether a masked-out token leaves the other positions' logits unchanged (one call on two rows).
+
+    The rows differ only in their first token, which the mask hides: a model that honours the mask gives
+    both rows the same logits elsewhere (the same kernel on the same numbers), one that ignores it does not.
+    """
+    input_ids = torch.tensor([[0, 2, 3, 4], [1, 2, 3, 4]], device=device)
+    mask = torch.tensor([[0, 1, 1, 1], [0, 1, 1, 1]], device=device)
+    with torch.inference_mode():
+        logits = logits_fn(input_ids, mask).float()[:, 1:]  # [2, 3, V]
+    return bool((logits[0] - logits[1]).abs().max() <= 1e-3 * logits[0].abs().max())
+
+
+class LLaDAAdapter(_DiffusionAdapter):
+    """LLaDA (GSAI-ML/LLaDA-8B-Base, -Instruct, LLaDA-1.5): ``model(input_ids).logits``, bidirectional.
+
+    Mask id: ``config.mask_token_id`` (126336, the ``<|mdm_mask|>`` token; the tokenizer sets no mask_token).
+    Padding: modeling_llada.py always took ``attention_mask`` but ignored it until GSAI-ML's 2025-10-21 update.
+    So at construction a two-row probe (``_honours_padding``) checks the loaded code; if the mask is ignored,
+    ``accepts_attention_mask`` is False and a padded call raises instead of returning wrong logits. Rotary
+    positions there count from index 0 even on padded rows; that is harmless, because with padding keys
+    masked, rotary attention depends only on relative positions.
+    """
+
+    mask_token_names = ("<|mdm_mask|>",)
+    _padding_note = "its modeling_llada.py ignores attention_mask (code before the 2025-10-21 update)"
+
+    def __init__(self, model, tokenizer=None, mask_token_id: int | None = None):
+        super().__init__(model, tokenizer, mask_token_id)
+        # transformers 5 drops use_cache from LLaDA's config, and its forward reads config.use_cache when None.
+        self._extra = {"use_cache": False} if _takes(model.forward, "use_cache") else {}
+        self.accepts_attention_mask = _takes(model.forward, "attention_mask") and _honours_padding(
+            lambda ids, mask: self.model(input_ids=ids, attention_mask=mask, **self._extra).logits, self.device)
+
+    def _logits(self, input_ids: Tensor, mask: Tensor | None) -> Tensor:
+        if mask is None:
+            return self.model(input_ids=input_ids, **self._extra).logits
+        if not self.accepts_attention_mask:
+            self._refuse_padding()
+        return self.model(input_ids=input_ids, attention_mask=mask, **self._extra).logits
+
+
+class DreamAdapter(_DiffusionAdapter):
+    """Dream (Dream-org/Dream-v0-Base-7B, -Instruct-7B): raw logits[:, i] score token i + 1, so they shift right.
+
+    As in Dream's generation_utils: ``logits = cat([raw[:, :1], raw[:, :-1]])``, so position 0 keeps raw[:, 0]
+    (never read: the first token is part of the prompt). Padding goes in as Dream's generation code sends it, a
+    boolean [B, 1, L, L] mask plus position ids counting real tokens, except that padding queries may attend to
+    real keys: a query row with no key at all gives NaN on some SDPA backends, and its output is never read.
+    """
+
+    mask_token_names = ("<|mask|>",)
+
+    def _logits(self, input_ids: Tensor, mask: Tensor | None) -> Tensor:
+        if mask is None:
+            raw = self.model(input_ids=input_ids).logits
+        else:
+            keys = rearrange(mask.bool(), "b k -> b 1 1 k").expand(-1, -1, input_ids.shape[1], -1)
+            raw = self.model(input_ids=input_ids, attention_mask=keys, position_ids=positions_from_mask(mask)).logits
+        return torch.cat((raw[:, :1], raw[:, :-1]), dim=1)
+
+
+class MaskedLMAdapter(_DiffusionAdapter):
+    """Any Hugging Face masked LM (BERT, RoBERTa, ModernBERT, ...) as a one-noise-level masked diffusion model.
+
+    Mask id: ``config.mask_token_id``, else ``tokenizer.mask_token_id``. Padding: position ids come from the
+    mask, so a left-padded row sees the positions of the unpadded one (offset by padding_idx + 1 for
+    RoBERTa-style embeddings, which count from there). A model whose forward takes no position_ids
+    (DistilBERT) cannot honour left padding: ``accepts_attention_mask`` is False and padded calls raise.
+    """
+
+    def __init__(self, model, tokenizer=None, mask_token_id: int | None = None):
+        super().__init__(model, tokenizer, mask_token_id)
+        self.accepts_attention_mask = _takes(model.forward, "position_ids")
+        embeddings = getattr(getattr(model, "base_model", model), "embeddings", None)
+        padding_idx = getattr(embeddings, "padding_idx", None)
+        self._position_offset = 0 if padding_idx is None else padding_idx + 1
+
+    def _logits(self, input_ids: Tensor, mask: Tensor | None) -> Tensor:
+        if mask is None:
+            return self.model(input_ids=input_ids).logits
+        if not self.accepts_attention_mask:
+            self._refuse_padding()
+        positions = positions_from_mask(mask) + self._position_offset
+        return self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions).logits
+
+
+# ------------------------------------------------------------------ causal adapter and its cache
+
+
+class HFCache:
+    """A Hugging Face ``DynamicCache`` plus the 0/1 mask of the keys it holds (0 = left padding).
+
+    The KV-cache capability of ``dllm.protocols``: ``length`` counts cached positions (padding included),
+    ``crop(length)`` rolls back in place (all rows alike), ``select(rows)`` returns a new cache of those rows.
+    """
+
+    def __init__(self, config, kv: DynamicCache | None = None, key_mask: Tensor | None = None):
+        self.config = config
+        self.kv = kv if kv is not None else DynamicCache(config=config)
+        self.key_mask = key_mask  # [B, length] long; None while empty
+
+    @property
+    def length(self) -> int:
+        return 0 if self.key_mask is None else self.key_mask.shape[1]
+
+    @property
+    def batch_size(self) -> int | None:
+        return None if self.key_mask is None else self.key_mask.shape[0]
+
+    def past_mask(self, rows: int, device: torch.device) -> Tensor:
+        """The cached keys' mask, [rows, 0] while empty.  # [B, length]"""
+        return torch.zeros(rows, 0, dtype=torch.long, device=device) if self.key_mask is None else self.key_mask
+
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` cached positions (e.g. drop rejected drafts)."""
+        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= self.length:
+            raise ValueError(f"crop length must be an int in [0, {self.length}], got {length!r}")
+        if length == self.length:
+            return
+        if not getattr(self.kv, "is_croppable", True):
+            raise ValueError("this model's cache has sliding-window or linear-attention layers; it cannot roll back")
+        self.kv.crop(length - self.length)  # transformers 5: a negative count removes that many positions
+        self.key_mask = self.key_mask[:, :length] if length else None
+
+    def select(self, rows: Tensor) -> HFCache:
+        """A new cache holding the given rows, repeats allowed (e.g. one per verification copy).  # rows [N]"""
+        if self.key_mask is None:
+            return HFCache(self.config)
+        rows = rows.to(self.key_mask.device)
+        data = [(layer.keys[rows], layer.values[rows]) if layer.is_initialized else (None, None)
+                for layer in self.kv.layers]
+        return HFCache(self.config, DynamicCache(data, config=self.config), self.key_mask[rows])
+
+
+class CausalLMAdapter(_HFAdapter):
+    """Any ``AutoModelForCausalLM`` (Llama, Qwen3, GPT-2, ...) as a CausalModel with an exact KV cache.
+
+    ``logits[:, i]`` scores token i + 1. It has no ``mask_token_id`` attribute (that attribute marks diffusion
+    models); a tokenizer's mask id, if any, is kept as ``tokenizer_mask_token_id``. Padding follows HF
+    generate: position ids count real tokens (cumsum - 1), and cached calls continue each row's count.
+    """
+
+    cache_exact = True
+
+    def __init__(self, model, tokenizer=None):
+        super().__init__(model, tokenizer)
+        self.tokenizer_mask_token_id = getattr(tokenizer, "mask_token_id", None)
+        self.accepts_attention_mask = _takes(model.forward, "position_ids")
+        # transformers 5.2x renamed past_key_values to cache (the old name still works until 5.40).
+        self._cache_arg = "cache" if _takes(model.forward, "cache") else "past_key_values"
+
+    @torch.inference_mode()
+    def __call__(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        """Next-token logits; attention_mask [B, L] is 0 on left padding.  # [B, L] -> [B, L, V] float32"""
+        input_ids = input_ids.to(self.device)
+        mask = _padding_mask(attention_mask, input_ids)
+        if mask is None:
+            return self.model(input_ids=input_ids, use_cache=False).logits.float()
+        if not self.accepts_attention_mask:
+            self._refuse_padding()
+        return self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions_from_mask(mask),
+                          use_cache=False).logits.float()
+
+    def new_cache(self) -> HFCache:
+        """An empty cache for ``forward_cached``."""
+        return HFCache(self.model.config)
+
+    @torch.inference_mode()
+    def forward_cached(
+        self,
+        input_ids: Tensor,  # [N, n]
+        cache: HFCache,
+        *,
+        rows: Tensor | None = None,  # [N] cache row serving each input; only with append=False
+        append: bool = True,
+        attention_mask: Tensor | None = None,  # [N, cache.length + n] over cached + new keys
+        block_offset: Tensor | None = None,
+    ) -> Tensor:
+        """Logits of new tokens after the cached prefix, positions continuing each row's count.  # [N, n, V]
+
+        ``append`` grows ``cache`` by the new tokens; otherwise ``rows`` picks a cache row per input and the
+        cache is left unchanged. Without ``attention_mask`` the cached keys keep the mask they were stored with.
+        """
+        if block_offset is not None:
+            raise ValueError("block_offset is for block-causal models; a causal LM has no blocks")
+        input_ids = input_ids.to(self.device)
+        past = self._past(cache, rows, append, input_ids.shape[0])
+        mask = self._full_mask(attention_mask, past.past_mask(input_ids.shape[0], input_ids.device), input_ids)
+        padded = not bool(mask.all())
+        if padded and not self.accepts_attention_mask:
+            self._refuse_padding()
+        positions = positions_from_mask(mask)[:, past.length:]
+        logits = self.model(input_ids=input_ids, attention_mask=mask if padded else None, position_ids=positions,
+                            use_cache=True, **{self._cache_arg: past.kv}).logits  # past.kv grows in place
+        if append:
+            cache.key_mask = mask
+        return logits.float()
+
+    @staticmethod
+    def _past(cache: HFCache, rows: Tensor | None, append: bool, n_inputs: int) -> HFCache:
+        """The cache to attend to: ``cache`` itself when appending, else a copy of the named rows."""
+        if append:
+            if rows is not None:
+                raise ValueError("rows must be None when append=True (the cache grows row for row)")
+            if cache.length and cache.batch_size != n_inputs:
+                raise ValueError(f"cache holds {cache.batch_size} rows but {n_inputs} inputs were given")
+            return cache
+        if rows is None:
+            raise ValueError("append=False needs rows: the cache row serving each input, a LongTensor [N]")
+        if rows.shape != (n_inputs,):
+            raise ValueError(f"rows must have shape [{n_inputs}], got {tuple(rows.shape)}")
+        return cache.select(rows)
+
+    @staticmethod
+    def _full_mask(attention_mask: Tensor | None, past_mask: Tensor, input_ids: Tensor) -> Tensor:
+        """The 0/1 mask over cached + new keys.  # [N, P + n] long"""
+        if attention_mask is None:
+            return torch.cat((past_mask, torch.ones_like(input_ids)), dim=1)
+        expected = (input_ids.shape[0], past_mask.shape[1] + input_ids.shape[1])
+        if tuple(attention_mask.shape) != expected:
+            raise ValueError(f"attention_mask must cover cached + new keys, shape {list(expected)}, "
+                             f"got {list(attention_mask.shape)}")
+        return attention_mask.to(device=input_ids.device, dtype=torch.long)

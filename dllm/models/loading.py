@@ -1,0 +1,171 @@
+"""``dllm.load``: a checkpoint folder or hub id in, a DiffusionModel or CausalModel adapter out."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+KINDS = ("auto", "llada", "dream", "mlm", "causal", "dllm")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt", "vocab.json")
+_HUB_KEYS = ("revision", "token", "cache_dir", "local_files_only")  # what reading a hub config.json may need
+
+
+def load(name_or_path: str | os.PathLike, kind: str = "auto", device: str | torch.device | None = None,
+         dtype: torch.dtype | str | None = None, **kw: Any):
+    """Load a checkpoint as a dllm model carrying ``.tokenizer`` (None when the checkpoint has none).
+
+    kind: "llada", "dream" (remote code via ``AutoModel``, trust_remote_code), "mlm" (``AutoModelForMaskedLM``),
+    "causal" (``AutoModelForCausalLM``), "dllm" (this project's TransformerLM folder) or "auto" (read from
+    config.json: model_type and architectures, or our ``layout`` key).
+    device, dtype: where and in what precision to load; None keeps CPU and the checkpoint's dtype.
+    kw: ``mask_token_id`` (override, diffusion kinds), ``tokenizer`` (a tokenizer, or a path to load one from),
+    ``trust_remote_code`` (default True for llada/dream only); the rest goes to ``from_pretrained`` (revision, ...).
+    A local folder never reaches the network (local_files_only=True); a hub id goes to transformers as is.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {list(KINDS)}, got {kind!r}")
+    dtype = _check_dtype(dtype)
+    local = _local_folder(name_or_path)
+    config = _config_dict(name_or_path, local, kw)
+    kind = _resolve_kind(kind, detect_kind(config), name_or_path, config)
+    if kind == "dllm":
+        return _load_dllm(local, name_or_path, device, dtype, kw)
+    return _load_hf(str(name_or_path), kind, local, device, dtype, kw)
+
+
+def detect_kind(config: dict) -> str | None:
+    """The kind a config.json describes, or None when it does not say."""
+    if "layout" in config:
+        return "dllm"
+    model_type = str(config.get("model_type") or "").lower()
+    names = [model_type, *(str(a).lower() for a in config.get("architectures") or [])]
+    if any(name.startswith("llada") for name in names):
+        return "llada"
+    if any(name.startswith("dream") for name in names):
+        return "dream"
+    if any(name.endswith("formaskedlm") for name in names):
+        return "mlm"
+    if any(name.endswith(("forcausallm", "lmheadmodel")) for name in names):
+        return "causal"
+    return _kind_from_model_type(model_type)
+
+
+def _kind_from_model_type(model_type: str) -> str | None:
+    """mlm or causal when transformers maps the model_type to only one of the two heads."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
+    masked, causal = model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES, model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    return "mlm" if masked and not causal else "causal" if causal and not masked else None
+
+
+def _resolve_kind(kind: str, detected: str | None, name, config: dict) -> str:
+    """The kind to load: the detected one for "auto"; an explicit one must not contradict the config."""
+    what = f"model_type={config.get('model_type')!r}, architectures={config.get('architectures')}"
+    allowed = [k for k in KINDS if k != "auto"]
+    if kind == "auto":
+        if detected is None:
+            raise ValueError(f"kind='auto' cannot tell what {name} is from its config.json ({what}); "
+                             f"pass kind= one of {allowed}")
+        return detected
+    if detected is not None and detected != kind:
+        raise ValueError(f"kind={kind!r} does not match {name}: its config.json ({what}) describes a "
+                         f"{detected!r} checkpoint; pass kind={detected!r} or kind='auto'")
+    return kind
+
+
+def _check_dtype(dtype) -> torch.dtype | None:
+    """None, a torch dtype, or its name ("bfloat16")."""
+    if isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype):
+        dtype = getattr(torch, dtype)
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be None, a torch.dtype or its name (e.g. 'bfloat16'), got {dtype!r}")
+    return dtype
+
+
+def _local_folder(name_or_path) -> Path | None:
+    """The folder when ``name_or_path`` is one on disk; None for a hub id; an error for a missing path."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path
+    if isinstance(name_or_path, os.PathLike) or str(name_or_path).startswith((".", "/", "~")) or path.exists():
+        raise FileNotFoundError(f"name_or_path {str(name_or_path)!r} is not a folder (nor a hub id)")
+    return None
+
+
+def _config_dict(name_or_path, local: Path | None, kw: dict) -> dict:
+    """config.json as a dict, without running any remote code."""
+    if local is not None:
+        file = local / "config.json"
+        if not file.is_file():
+            raise FileNotFoundError(f"{local} has no config.json")
+        return json.loads(file.read_text())
+    from transformers import PretrainedConfig
+
+    config, _ = PretrainedConfig.get_config_dict(str(name_or_path), **{k: kw[k] for k in _HUB_KEYS if k in kw})
+    return config
+
+
+def _load_dllm(local: Path | None, name, device, dtype, kw: dict):
+    """The project's TransformerLM with the folder's tokenizer.json attached as ``.tokenizer``."""
+    from dllm.data.tokenizer import load_tokenizer
+    from dllm.models.transformer import TransformerLM
+
+    tokenizer = kw.pop("tokenizer", None)
+    if kw:
+        raise TypeError(f"kind='dllm' takes only the keyword tokenizer=, got {sorted(kw)}")
+    if local is None:
+        raise ValueError(f"kind='dllm' needs a local folder, got {str(name)!r}")
+    model = TransformerLM.from_pretrained(local, device, dtype)
+    if tokenizer is None or isinstance(tokenizer, str | os.PathLike):
+        file = Path(tokenizer) if tokenizer is not None else local / "tokenizer.json"
+        tokenizer = load_tokenizer(file) if file.is_file() else None
+    model.tokenizer = tokenizer
+    return model
+
+
+def _load_hf(name: str, kind: str, local: Path | None, device, dtype, kw: dict):
+    """A transformers checkpoint wrapped in the adapter for its kind."""
+    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM
+
+    from dllm.models.hf import CausalLMAdapter, DreamAdapter, LLaDAAdapter, MaskedLMAdapter
+
+    auto_class, adapter = {
+        "llada": (AutoModel, LLaDAAdapter),
+        "dream": (AutoModel, DreamAdapter),
+        "mlm": (AutoModelForMaskedLM, MaskedLMAdapter),
+        "causal": (AutoModelForCausalLM, CausalLMAdapter),
+    }[kind]
+    trust = kw.pop("trust_remote_code", kind in ("llada", "dream"))
+    mask_token_id = kw.pop("mask_token_id", None)
+    if mask_token_id is not None and kind == "causal":
+        raise TypeError("mask_token_id= is for diffusion kinds (llada, dream, mlm), not kind='causal'")
+    if local is not None:
+        kw["local_files_only"] = True
+    tokenizer = _load_tokenizer(kw.pop("tokenizer", None), name, local, trust, kw)
+    model = auto_class.from_pretrained(name, dtype=dtype or "auto", device_map=device, trust_remote_code=trust, **kw)
+    if kind == "causal":
+        return adapter(model, tokenizer)
+    return adapter(model, tokenizer, mask_token_id)
+
+
+def _load_tokenizer(given, name: str, local: Path | None, trust: bool, kw: dict):
+    """``given`` if it is a tokenizer; else AutoTokenizer from ``given`` or the checkpoint; None if it has none."""
+    if given is not None and not isinstance(given, str | os.PathLike):
+        return given
+    source = str(given or name)
+    folder = Path(source) if Path(source).is_dir() else None
+    if folder is not None and not any((folder / f).is_file() for f in _TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    hub = {k: kw[k] for k in _HUB_KEYS if k in kw}
+    if folder is not None or local is not None:
+        hub["local_files_only"] = True
+    return AutoTokenizer.from_pretrained(source, trust_remote_code=trust, **hub)

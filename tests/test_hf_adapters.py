@@ -1,0 +1,240 @@
+"""Tests for dllm.models.hf: logits, padding, Dream's shift, LLaDA's mask probe and the causal KV cache.
+
+Every checkpoint is a tiny random model written to a temporary folder (tests/fixtures/hf/builders.py).
+"""
+
+import pytest
+import torch
+from fixtures.hf import builders
+from fixtures.hf.modeling_standin import marker
+
+from dllm.models.chat import apply_chat_template, has_chat_template
+from dllm.models.hf import CausalLMAdapter, DreamAdapter, LLaDAAdapter, MaskedLMAdapter
+from dllm.models.loading import load
+from dllm.protocols import is_causal_model, is_diffusion_model
+
+V = builders.VOCAB
+MASK = V - 1  # the stand-ins' mask id
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """Build each checkpoint once per module, on first use."""
+    made = {}
+    recipes = {
+        "llama": lambda p: builders.save_causal(p, "llama"),
+        "qwen3": lambda p: builders.save_causal(p, "qwen3"),
+        "bert": lambda p: builders.save_mlm(p, "bert"),
+        "modernbert": lambda p: builders.save_mlm(p, "modernbert"),
+        "llada": builders.save_llada,
+        "llada_ignores_mask": lambda p: builders.save_llada(p, honours_attention_mask=False),
+        "dream": builders.save_dream,
+    }
+
+    def get(name):
+        if name not in made:
+            made[name] = recipes[name](tmp_path_factory.mktemp(name))
+        return made[name]
+
+    return get
+
+
+def _ids(batch, length, seed=0, high=MASK):
+    """Random ids below ``high`` (so never a stand-in's mask token).  # [B, L]"""
+    return torch.randint(3, high, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _left_pad(rows: list[torch.Tensor], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad 1-D id tensors to one length.  # -> ids [B, L], mask [B, L]"""
+    length = max(len(r) for r in rows)
+    ids = torch.full((len(rows), length), pad_id)
+    mask = torch.zeros(len(rows), length, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, length - len(row):], mask[i, length - len(row):] = row, 1
+    return ids, mask
+
+
+# ------------------------------------------------------------------ causal LMs and the KV cache
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def causal(request, folders):
+    return load(folders(request.param))
+
+
+def test_causal_adapter_follows_the_causal_protocol(causal):
+    assert isinstance(causal, CausalLMAdapter)
+    assert is_causal_model(causal) and not hasattr(causal, "mask_token_id")
+    assert causal.vocab_size == V and causal.eos_token_id == 1 and causal.pad_token_id == 0
+    assert causal.accepts_attention_mask and causal.cache_exact
+    logits = causal(_ids(2, 5))
+    assert logits.shape == (2, 5, V) and logits.dtype == torch.float32 and torch.isfinite(logits).all()
+
+
+def test_cached_forward_equals_uncached(causal):
+    ids = _ids(2, 9)
+    full = causal(ids)
+    cache = causal.new_cache()
+    pieces = [causal.forward_cached(ids[:, a:b], cache) for a, b in ((0, 5), (5, 6), (6, 9))]
+    assert cache.length == 9
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-4, rtol=0)
+
+
+def test_crop_then_reextend_equals_uncached(causal):
+    """Append four drafts, reject the last three, append a correction and more: same as recomputing."""
+    prompt, drafts, redo = _ids(2, 5, seed=1), _ids(2, 4, seed=2), _ids(2, 3, seed=3)
+    cache = causal.new_cache()
+    causal.forward_cached(prompt, cache)
+    causal.forward_cached(drafts, cache)
+    cache.crop(6)
+    assert cache.length == 6
+    logits = causal.forward_cached(redo, cache)
+    sequence = torch.cat((prompt, drafts[:, :1], redo), dim=1)
+    torch.testing.assert_close(logits, causal(sequence)[:, 6:], atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match="crop length"):
+        cache.crop(99)
+
+
+def test_left_padding_gives_the_unpadded_logits(causal):
+    long, short = _ids(1, 7, seed=4)[0], _ids(1, 4, seed=5)[0]
+    ids, mask = _left_pad([long, short])
+    logits = causal(ids, attention_mask=mask)
+    torch.testing.assert_close(logits[0], causal(long[None])[0], atol=1e-4, rtol=0)
+    torch.testing.assert_close(logits[1, 3:], causal(short[None])[0], atol=1e-4, rtol=0)
+
+
+def test_cached_calls_continue_each_rows_positions(causal):
+    """A padded prefill, then new tokens without a mask: positions go on from each row's real-token count."""
+    long, short, new = _ids(1, 6, seed=6)[0], _ids(1, 3, seed=7)[0], _ids(2, 2, seed=8)
+    ids, mask = _left_pad([long, short])
+    cache = causal.new_cache()
+    prefill = causal.forward_cached(ids, cache, attention_mask=mask)
+    step = causal.forward_cached(new, cache)
+    assert cache.length == 8
+    for row, real in enumerate((long, short)):
+        expected = causal(torch.cat((real, new[row]))[None])[0]
+        torch.testing.assert_close(prefill[row, -len(real):], expected[:len(real)], atol=1e-4, rtol=0)
+        torch.testing.assert_close(step[row], expected[len(real):], atol=1e-4, rtol=0)
+
+
+def test_rows_read_the_cache_without_growing_it(causal):
+    """append=False: several copies may share a cache row, and the cache is left as it was."""
+    prefix, new = _ids(2, 5, seed=9), _ids(3, 2, seed=10)
+    cache = causal.new_cache()
+    causal.forward_cached(prefix, cache)
+    rows = torch.tensor([1, 1, 0])
+    logits = causal.forward_cached(new, cache, rows=rows, append=False)
+    assert cache.length == 5 and cache.batch_size == 2
+    expected = causal(torch.cat((prefix[rows], new), dim=1))[:, 5:]
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+    torch.testing.assert_close(cache.select(rows).key_mask, torch.ones(3, 5, dtype=torch.long))
+
+
+def test_forward_cached_rejects_bad_arguments(causal):
+    cache = causal.new_cache()
+    causal.forward_cached(_ids(2, 3), cache)
+    with pytest.raises(ValueError, match="rows must be None"):
+        causal.forward_cached(_ids(2, 1), cache, rows=torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="needs rows"):
+        causal.forward_cached(_ids(2, 1), cache, append=False)
+    with pytest.raises(ValueError, match="cached \\+ new keys"):
+        causal.forward_cached(_ids(2, 1), cache, attention_mask=torch.ones(2, 1))
+    with pytest.raises(ValueError, match="cache holds 2 rows"):
+        causal.forward_cached(_ids(3, 1), cache)
+
+
+def test_causal_keeps_a_tokenizer_mask_id_under_another_name(folders):
+    tokenizer = load(folders("bert")).tokenizer  # has [MASK]
+    adapter = CausalLMAdapter(load(folders("llama")).model, tokenizer)
+    assert adapter.tokenizer_mask_token_id == tokenizer.mask_token_id
+    assert is_causal_model(adapter) and not is_diffusion_model(adapter)
+
+
+# ------------------------------------------------------------------ masked LMs
+
+
+@pytest.mark.parametrize("arch", ["bert", "modernbert"])
+def test_mlm_logits_mask_and_padding(folders, arch):
+    model = load(folders(arch))
+    assert isinstance(model, MaskedLMAdapter) and is_diffusion_model(model)
+    assert model.mask_token_id == model.tokenizer.mask_token_id and model.vocab_size == V
+    long, short = _ids(1, 7, seed=11, high=V)[0], _ids(1, 4, seed=12, high=V)[0]
+    logits = model(long[None])
+    assert logits.shape == (1, 7, V) and logits.dtype == torch.float32
+    assert torch.isneginf(logits[..., model.mask_token_id]).all()
+    assert torch.isfinite(logits[..., :model.mask_token_id]).all()
+    ids, mask = _left_pad([long, short])
+    padded = model(ids, attention_mask=mask)
+    torch.testing.assert_close(padded[1, 3:], model(short[None])[0], atol=1e-4, rtol=0)
+    torch.testing.assert_close(padded[0], logits[0], atol=1e-4, rtol=0)
+
+
+# ------------------------------------------------------------------ LLaDA and Dream stand-ins
+
+
+def test_llada_reads_the_mask_id_from_config(folders):
+    model = load(folders("llada"))
+    assert isinstance(model, LLaDAAdapter) and model.mask_token_id == MASK
+    assert model.tokenizer.mask_token is None  # like LLaDA's tokenizer: the id comes from config.json
+    assert model.eos_token_id == 1 and model.stop_token_ids == (1, model.tokenizer.convert_tokens_to_ids("<|eot_id|>"))
+    logits = model(_ids(2, 6))
+    assert logits.shape == (2, 6, V) and torch.isneginf(logits[..., MASK]).all()
+
+
+def test_llada_padding_when_the_code_honours_the_mask(folders):
+    model = load(folders("llada"))
+    assert model.accepts_attention_mask
+    long, short = _ids(1, 6, seed=13)[0], _ids(1, 4, seed=14)[0]
+    ids, mask = _left_pad([long, short])
+    torch.testing.assert_close(model(ids, attention_mask=mask)[1, 2:], model(short[None])[0], atol=1e-4, rtol=0)
+
+
+def test_llada_refuses_padding_when_the_code_ignores_the_mask(folders):
+    model = load(folders("llada_ignores_mask"))
+    assert not model.accepts_attention_mask
+    ids, mask = _left_pad([_ids(1, 6)[0], _ids(1, 4)[0]])
+    with pytest.raises(ValueError, match="ignores attention_mask"):
+        model(ids, attention_mask=mask)
+    unpadded = model(ids, attention_mask=torch.ones_like(ids))  # a mask that hides nothing is fine
+    torch.testing.assert_close(unpadded, model(ids))
+
+
+def test_dream_logits_are_shifted_back(folders):
+    """The stand-in's raw logits at p favour marker(p + 1); after the shift position i favours marker(i)."""
+    model = load(folders("dream"))
+    assert isinstance(model, DreamAdapter) and model.mask_token_id == model.tokenizer.mask_token_id == MASK
+    ids = _ids(2, 8)
+    logits = model(ids)
+    positions = torch.arange(8)
+    assert torch.equal(logits[:, 1:].argmax(-1), marker(positions[1:], V).expand(2, -1))
+    raw = model.model(input_ids=ids).logits
+    torch.testing.assert_close(logits[:, 0, :MASK], raw[:, 0, :MASK])  # position 0 keeps raw[:, 0], as Dream does
+    assert torch.isneginf(logits[..., MASK]).all()
+
+
+def test_dream_padding_gives_the_unpadded_logits(folders):
+    model = load(folders("dream"))
+    long, short = _ids(1, 7, seed=15)[0], _ids(1, 4, seed=16)[0]
+    ids, mask = _left_pad([long, short])
+    padded = model(ids, attention_mask=mask)
+    torch.testing.assert_close(padded[1, 4:], model(short[None])[0, 1:], atol=1e-4, rtol=0)
+    torch.testing.assert_close(padded[0], model(long[None])[0], atol=1e-4, rtol=0)
+
+
+def test_attention_mask_must_match_input_ids(folders):
+    model = load(folders("dream"))
+    with pytest.raises(ValueError, match="shape of input_ids"):
+        model(_ids(2, 4), attention_mask=torch.ones(2, 5))
+
+
+# ------------------------------------------------------------------ chat templates
+
+
+def test_chat_template(folders):
+    tokenizer = load(folders("llada")).tokenizer
+    assert has_chat_template(tokenizer)
+    text = apply_chat_template(tokenizer, "the cat sat")
+    assert text == "<|start|>user the cat sat<|eot|><|start|>assistant "
+    assert not has_chat_template(load(folders("bert")).tokenizer) and not has_chat_template(None)
+    with pytest.raises(ValueError, match="no chat template"):
+        apply_chat_template(load(folders("bert")).tokenizer, "hi")

@@ -1,0 +1,160 @@
+"""Tests for dllm.models.loading.load: kind detection, explicit kinds, errors, and generation end to end.
+
+Every checkpoint is a tiny random model written to a temporary folder (tests/fixtures/hf/builders.py).
+"""
+
+import pytest
+import torch
+from fixtures.hf import builders
+
+import dllm
+from dllm.models.hf import CausalLMAdapter, DreamAdapter, LLaDAAdapter, MaskedLMAdapter
+from dllm.models.loading import detect_kind, load
+from dllm.models.transformer import TransformerLM
+
+RECIPES = {  # name: (builder, kind, adapter class)
+    "llama": (lambda p: builders.save_causal(p, "llama"), "causal", CausalLMAdapter),
+    "qwen3": (lambda p: builders.save_causal(p, "qwen3"), "causal", CausalLMAdapter),
+    "bert": (lambda p: builders.save_mlm(p, "bert"), "mlm", MaskedLMAdapter),
+    "modernbert": (lambda p: builders.save_mlm(p, "modernbert"), "mlm", MaskedLMAdapter),
+    "llada": (builders.save_llada, "llada", LLaDAAdapter),
+    "dream": (builders.save_dream, "dream", DreamAdapter),
+    "dllm": (builders.save_dllm, "dllm", TransformerLM),
+    "dllm_causal": (lambda p: builders.save_dllm(p, layout="causal"), "dllm", TransformerLM),
+}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """Build each checkpoint once per module, on first use."""
+    made = {}
+
+    def get(name):
+        if name not in made:
+            made[name] = RECIPES[name][0](tmp_path_factory.mktemp(name))
+        return made[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_auto_and_explicit_kind_load_the_same_adapter(folders, name):
+    _, kind, adapter_class = RECIPES[name]
+    auto, explicit = load(folders(name)), load(str(folders(name)), kind=kind)
+    for model in (auto, explicit):
+        assert type(model) is adapter_class and model.tokenizer is not None
+        assert model.vocab_size >= len(model.tokenizer)
+    ids = torch.randint(3, 20, (1, 5))
+    torch.testing.assert_close(auto(ids), explicit(ids))
+
+
+DIFFUSION = ["llada", "dream", "bert", "modernbert", "dllm"]
+
+
+@pytest.mark.parametrize("name", DIFFUSION)
+@pytest.mark.parametrize("sampler, options", [("fef", {"window": 2}), ("llada", {"steps": 2})])
+def test_generate_with_diffusion_kinds(folders, name, sampler, options):
+    model = load(folders(name))
+    text = "Tom has 3" if name == "dllm" else "the cat sat"  # words each tokenizer knows
+    prompt = torch.tensor(model.tokenizer(text)["input_ids"])[None]
+    out = dllm.generate(model, prompt, sampler=sampler, max_new_tokens=4, temperature=1.0,
+                        generator=torch.Generator().manual_seed(0), **options)
+    assert out.sequences.shape == (1, prompt.shape[1] + 4)
+    assert torch.equal(out.sequences[:, :prompt.shape[1]], prompt)
+    assert not (out.sequences == model.mask_token_id).any()
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "dllm_causal"])
+@pytest.mark.parametrize("sampler, options", [("ar", {}), ("ar_spec", {"drafter": "ngram", "num_draft_tokens": 2})])
+def test_generate_with_causal_kinds(folders, name, sampler, options):
+    model = load(folders(name))
+    prompt = torch.tensor([[3, 4, 5, 3, 4]])
+    out = dllm.generate(model, prompt, sampler=sampler, max_new_tokens=4, temperature=1.0,
+                        generator=torch.Generator().manual_seed(0), **options)
+    assert out.sequences.shape == (1, 9) and torch.equal(out.sequences[:, :5], prompt)
+
+
+def test_ar_spec_matches_ar_at_temperature_zero(folders):
+    model = load(folders("qwen3"))
+    prompt = torch.tensor([[3, 4, 5, 3, 4, 5]])
+    runs = [dllm.generate(model, prompt, sampler=s, max_new_tokens=6, temperature=0, **o).sequences
+            for s, o in (("ar", {}), ("ar_spec", {"drafter": "ngram"}))]
+    assert torch.equal(*runs)
+
+
+def test_dtype_and_mask_override(folders):
+    model = load(folders("llama"), dtype=torch.bfloat16)
+    assert model.dtype == torch.bfloat16 and model(torch.tensor([[3, 4]])).dtype == torch.float32
+    assert load(folders("bert"), dtype="float32").dtype == torch.float32
+    assert load(folders("bert"), mask_token_id=5).mask_token_id == 5
+    assert load(folders("dllm"), dtype=torch.bfloat16).output.weight.dtype == torch.bfloat16
+
+
+# ------------------------------------------------------------------ kind detection
+
+
+@pytest.mark.parametrize("config, kind", [
+    ({"model_type": "llada", "architectures": ["LLaDAModelLM"],  # LLaDA's auto_map also names a causal head
+      "auto_map": {"AutoModelForCausalLM": "modeling_llada.LLaDAModelLM"}}, "llada"),
+    ({"model_type": "Dream", "architectures": ["DreamModel"]}, "dream"),
+    ({"model_type": "bert", "architectures": ["BertForMaskedLM"]}, "mlm"),
+    ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, "causal"),
+    ({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}, "causal"),
+    ({"model_type": "gpt2"}, "causal"),  # no architectures: transformers' head mappings decide
+    ({"model_type": "modernbert"}, "mlm"),
+    ({"model_type": "bert"}, None),  # bert has both a masked and a causal head: ambiguous
+    ({"model_type": "vit", "architectures": ["ViTModel"]}, None),
+    ({"vocab_size": 8, "layout": "causal"}, "dllm"),
+])
+def test_detect_kind(config, kind):
+    assert detect_kind(config) == kind
+
+
+# ------------------------------------------------------------------ errors
+
+
+def test_wrong_kind_is_refused(folders):
+    with pytest.raises(ValueError, match="kind='mlm' does not match .* 'causal' checkpoint"):
+        load(folders("llama"), kind="mlm")
+    with pytest.raises(ValueError, match="kind='dream' does not match .* 'llada' checkpoint"):
+        load(folders("llada"), kind="dream")
+
+
+def test_unknown_kind_is_refused(folders):
+    with pytest.raises(ValueError, match=r"kind must be one of \['auto', 'llada', 'dream', 'mlm', 'causal', 'dllm'\]"):
+        load(folders("llama"), kind="gpt")
+
+
+def test_missing_mask_token_is_refused(tmp_path):
+    folder = builders.save_llada(tmp_path / "no_mask", mask_in_config=False)
+    with pytest.raises(ValueError, match="needs a mask token.*pass mask_token_id="):
+        load(folder)
+    assert load(folder, mask_token_id=builders.VOCAB - 1).mask_token_id == builders.VOCAB - 1
+
+
+def test_undetectable_config_needs_an_explicit_kind(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "vit"}')
+    with pytest.raises(ValueError, match="kind='auto' cannot tell"):
+        load(tmp_path)
+
+
+def test_bad_paths_and_arguments(tmp_path, folders):
+    with pytest.raises(FileNotFoundError, match="not a folder"):
+        load(tmp_path / "missing")
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        load(tmp_path)
+    with pytest.raises(TypeError, match="dtype must be"):
+        load(folders("llama"), dtype="fast")
+    with pytest.raises(TypeError, match="mask_token_id= is for diffusion kinds"):
+        load(folders("llama"), mask_token_id=3)
+    with pytest.raises(TypeError, match="kind='dllm' takes only"):
+        load(folders("dllm"), revision="main")
+
+
+def test_folder_without_tokenizer_loads_with_none(tmp_path, folders):
+    folder = builders.save_causal(tmp_path / "bare", "llama")
+    for file in folder.glob("tokenizer*"):
+        file.unlink()
+    model = load(folder)
+    assert model.tokenizer is None and model.eos_token_id == 1  # from config.json
+    assert load(folder, tokenizer=folders("llama")).tokenizer is not None
