@@ -79,7 +79,7 @@ def generate(
     shown = {k: v for k, v in resolved.items() if k != "callback"}
     if "drafter" in shown and not isinstance(shown["drafter"], str):
         shown["drafter"] = type(shown["drafter"]).__name__
-    exact = spec.exact and shown.get("cache") not in APPROXIMATE_CACHES
+    exact = spec.exact and shown.get("cache") not in APPROXIMATE_CACHES and shown.get("verifier") != "structured"
     return GenerateOutput(sequences, stats, sampler, shown, exact, seed)
 
 

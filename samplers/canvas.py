@@ -115,6 +115,13 @@ class Caller:
         logits = self.model(input_ids, **self.kwargs(rows, slice(0, input_ids.shape[1])))
         return check_logits(logits, input_ids)
 
+    def structured(self, input_ids, batch_rows, keys: slice, *args, **extra):
+        """The model's ``structured_verify`` on R rows; counted as one call over state + 2W + 1 tokens."""
+        width = args[0].shape[1]
+        self.stats.count_call(input_ids.new_empty((input_ids.shape[0], input_ids.shape[1] + 2 * width + 1)),
+                              rows=input_ids.shape[0])
+        return self.model.structured_verify(input_ids, *args, **self.kwargs(batch_rows, keys), **extra)
+
     def cached(self, input_ids, cache, batch_rows, served: int, keys: slice, **extra) -> torch.Tensor:
         """``forward_cached`` on inputs [N, n] of canvas rows ``batch_rows`` [N]; ``keys`` are the canvas
         positions of cached + new keys; ``extra`` goes to forward_cached (rows=, append=)."""
@@ -141,6 +148,7 @@ class View:
     prompt_length: int  # prompt positions inside the view (0 when the view starts after the prompt)
     mask_token_id: int
     call: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (tokens [N, Ls], which [N] in 0..R-1)
+    structured: Callable | None = None  # one-pass window verification, when the model offers it
 
     def candidates(self, tokens: torch.Tensor) -> torch.Tensor:
         """Masked positions of the active block in ``tokens`` [N, Ls] -> bool [N, Ls]."""
@@ -166,7 +174,11 @@ class FullSession:
         def call(tokens: torch.Tensor, which: torch.Tensor) -> torch.Tensor:
             return self.caller(tokens, rows[which], served=int(which.unique().numel()))
 
-        return View(self.canvas.x[rows], region, rows, 0, self.canvas.prompt_length, self.canvas.mask_token_id, call)
+        def structured(tokens, *args):
+            return self.caller.structured(tokens, rows, slice(0, length), *args)
+
+        return View(self.canvas.x[rows], region, rows, 0, self.canvas.prompt_length, self.canvas.mask_token_id, call,
+                    structured)
 
 
 class BlockCacheSession:
@@ -197,7 +209,11 @@ class BlockCacheSession:
             return self.caller.cached(tokens, self.cache, rows[which], served=int(which.unique().numel()),
                                       keys=slice(0, end), rows=rows[which], append=False)
 
-        return View(self.canvas.x[rows, start:end], region, rows, start, 0, self.canvas.mask_token_id, call)
+        def structured(tokens, *args):
+            return self.caller.structured(tokens, rows, slice(0, end), *args, cache=self.cache, rows=rows)
+
+        return View(self.canvas.x[rows, start:end], region, rows, start, 0, self.canvas.mask_token_id, call,
+                    structured)
 
 
 class PrefixCacheSession:

@@ -42,8 +42,8 @@ def sequential(model, prompt, gen_length, *, temperature, generator, stats, orde
 
 
 def fef(model, prompt, gen_length, *, temperature, generator, stats, order="left_to_right", window=4,
-        draft="marginal", **kw):
-    stepper = FefStepper(temperature, generator, stats, order, window, draft)
+        draft="marginal", verifier="copies", **kw):
+    stepper = FefStepper(temperature, generator, stats, order, window, draft, verifier)
     return run(stepper, model, prompt, gen_length, stats=stats, **_common(kw))
 
 

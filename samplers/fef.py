@@ -38,6 +38,7 @@ from .order import choose_window, pick_next
 from .verify import verify
 
 DRAFT_SOURCES = ("marginal", "stale")
+VERIFIERS = ("copies", "structured")
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,7 @@ class FefStepper:
     order: str = "left_to_right"
     window: int = 4
     draft: str = "marginal"
+    verifier: str = "copies"
     stale: torch.Tensor | None = None  # [B, Ls, V] next round's draft logits per canvas row ("stale")
 
     def begin_block(self, block: int) -> None:
@@ -72,7 +74,8 @@ class FefStepper:
         fresh = self.draft == "marginal" or self.stale is None
         rows = torch.arange(view.x.shape[0], device=view.x.device)
         draft_logits = view.call(view.x, rows) if fresh else self.stale[view.rows]
-        result = fef_round(view, draft_logits, fresh, self.temperature, self.generator, self.stats,
+        one_round = structured_round if self.verifier == "structured" else fef_round
+        result = one_round(view, draft_logits, fresh, self.temperature, self.generator, self.stats,
                            order=self.order, window=self.window)
         if self.draft == "stale":
             if self.stale is None:
@@ -134,6 +137,47 @@ def fef_round(
     new_x[rows[:, None].expand_as(hit)[hit], emitted_positions[hit]] = outcome.tokens[hit]
     next_logits = all_logits[copy_index[rows, outcome.num_accepted]]
     return RoundResult(new_x, next_logits, positions, drafts, num_drafts, outcome.num_accepted, emitted_positions)
+
+
+def structured_round(
+    view: View,
+    draft_logits: torch.Tensor,  # [R, Ls, V]
+    draft_is_state: bool,
+    temperature: float,
+    generator: torch.Generator,
+    stats: DecodeStats,
+    *,
+    order: str,
+    window: int,
+) -> RoundResult:
+    """A left-to-right round verified by the model's one-pass ``structured_verify`` instead of copies.
+
+    Exact with respect to the conditionals that pass defines; they equal the sequential chain's only for
+    a model trained for it (or a one-layer model), so generate labels the output approximate.
+    """
+    x, mask_id = view.x, view.mask_token_id
+    rows = torch.arange(x.shape[0], device=x.device)
+    ranked, available = choose_window("left_to_right", draft_logits, view.candidates(x), mask_id, window + 1)
+    width = min(window, ranked.shape[1])
+    positions, count = ranked[:, :width], available.clamp(max=width)
+    bonus = torch.full_like(count, -1)
+    if ranked.shape[1] > width:  # the next position after the window, where the row has one
+        bonus = torch.where(available > width, ranked[:, width], bonus)
+    drafts, draft_probs = _draft(draft_logits[rows[:, None], positions], mask_id, temperature, generator)
+    targets, state_logits = view.structured(x, positions, drafts, count, bonus)
+    greedy = temperature == 0
+    targets = forbid_token(targets, mask_id)
+    outcome = verify(drafts, draft_probs, targets if greedy else softmax(targets, temperature), count,
+                     has_bonus=bonus >= 0, generator=generator, greedy=greedy)
+    stats.count_verification(count, outcome.num_accepted, outcome.num_emitted)
+    target_positions = torch.cat([positions, positions[:, :1]], dim=1)
+    target_positions[rows, count] = bonus.clamp(min=0)
+    emitted_positions = torch.where(outcome.tokens >= 0, target_positions, -1)
+    new_x = x.clone()
+    hit = emitted_positions >= 0
+    new_x[rows[:, None].expand_as(hit)[hit], emitted_positions[hit]] = outcome.tokens[hit]
+    # The state's logits are a valid proposal for the next round (any proposal keeps verification exact).
+    return RoundResult(new_x, state_logits, positions, drafts, count, outcome.num_accepted, emitted_positions)
 
 
 def _draft(

@@ -49,6 +49,7 @@ class SamplerSpec:
         _check_schedule(values, max_new_tokens)
         _check_drafter(values, model)
         _check_cache(values, model)
+        _check_verifier(values, model)
         if values.get("threshold") is not None and values.get("factor") is not None:
             raise ValueError("fast_dllm takes either threshold or factor, not both")
         callback = given.get("callback")
@@ -123,6 +124,19 @@ def _check_drafter(values: dict[str, Any], model) -> None:
                          "drafts and targets must share token ids")
 
 
+def _check_verifier(values: dict[str, Any], model) -> None:
+    """The structured verifier needs the model's one-pass method, left-to-right order and an exact view."""
+    if values.get("verifier", "copies") == "copies":
+        return
+    if not callable(getattr(model, "structured_verify", None)):
+        raise ValueError(f"verifier='structured' needs a model with structured_verify(); "
+                         f"{type(model).__name__} has none (use verifier='copies')")
+    if values["order"] != "left_to_right":
+        raise ValueError("verifier='structured' supports order='left_to_right' only")
+    if values.get("cache") in ("prefix", "dual"):
+        raise ValueError("verifier='structured' runs with cache='auto', 'none' or 'block'")
+
+
 def _check_cache(values: dict[str, Any], model) -> None:
     """An explicit cache must be one the model offers; ``block`` must also be exact for these blocks."""
     cache = values.get("cache", "auto")
@@ -185,6 +199,7 @@ SAMPLERS: dict[str, SamplerSpec] = {
             "order": Option("left_to_right", _choice(ORDERS)),
             "window": Option(4, _int_at_least(1)),
             "draft": Option("marginal", _choice(fef.DRAFT_SOURCES)),
+            "verifier": Option("copies", _choice(fef.VERIFIERS)),
         }),
     ]
 }

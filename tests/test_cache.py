@@ -174,3 +174,63 @@ def test_fef_with_block_cache_is_exact():
     assert out.options["cache"] == "block"
     assert chi_square_pvalue(out.sequences[:, 2:], expected) > ALPHA
     assert out.stats.accepted < out.stats.drafted
+
+
+@pytest.mark.parametrize("layout", ["bidirectional", "block_causal"])
+def test_structured_verifier_equals_copies_for_one_layer(layout):
+    """For a one-layer model the one-pass verifier sees exactly copy j's context."""
+    torch.manual_seed(0)
+    config = TransformerConfig(vocab_size=30, dim=32, n_layers=1, n_heads=2, layout=layout, mask_token_id=2,
+                               block_size=4 if layout == "block_causal" else None, max_seq_len=64)
+    model = TransformerLM(config).eval()
+    x = torch.tensor([[5, 6, 7, 8, 2, 2, 2, 2, 2, 2, 2, 2], [9, 9, 9, 9, 11, 2, 2, 2, 2, 2, 2, 2]])
+    positions, drafts = torch.tensor([[4, 5, 6], [5, 6, 7]]), torch.tensor([[10, 11, 12], [13, 14, 15]])
+    count, bonus, offset = torch.tensor([3, 2]), torch.tensor([7, 7]), torch.tensor([4, 4])
+    with torch.no_grad():
+        targets, state = model.structured_verify(x, positions, drafts, count, bonus, block_offset=offset)
+        for r in range(2):
+            for c in range(int(count[r]) + 1):
+                copy = x[r : r + 1].clone()
+                copy[0, positions[r, :c]] = drafts[r, :c]
+                reference = model(copy, block_offset=offset[r : r + 1])[0]
+                at = positions[r, c] if c < count[r] else bonus[r]
+                keep = torch.isfinite(reference[at])
+                assert torch.allclose(reference[at][keep], targets[r, c][keep], atol=1e-5)
+        keep = torch.isfinite(state)
+        assert torch.allclose(state[keep], model(x, block_offset=offset)[keep], atol=1e-5)
+
+
+def test_structured_verifier_in_fef():
+    one_layer = TransformerConfig(vocab_size=40, dim=32, n_layers=1, n_heads=2, layout="block_causal", block_size=4,
+                                  mask_token_id=2, max_seq_len=64)
+    torch.manual_seed(0)
+    model = TransformerLM(one_layer).eval()
+    common = dict(sampler="fef", max_new_tokens=12, temperature=0.0, block_length=4, attention_mask=MASK,
+                  eos_token_id=None)
+    with torch.no_grad():
+        plain = dllm.generate(model, PROMPTS, **common)
+        for cache in ("none", "block"):
+            for draft in ("marginal", "stale"):
+                one_pass = dllm.generate(model, PROMPTS, verifier="structured", cache=cache, draft=draft, **common)
+                assert torch.equal(one_pass.sequences, plain.sequences)  # one layer: same conditionals
+                assert one_pass.exact is False  # labelled: deeper models need training for this pass
+    with pytest.raises(ValueError, match="order='left_to_right' only"):
+        dllm.generate(model, PROMPTS, verifier="structured", order="confidence", **common)
+    with pytest.raises(ValueError, match="needs a model with structured_verify"):
+        dllm.generate(dllm.HMMOracle.random(), torch.tensor([[0, 1]]), max_new_tokens=4, verifier="structured")
+
+
+def test_structured_verifier_is_exact_for_one_layer():
+    """At T=1 the one-pass verifier samples the sequential chain when its conditionals are the copies'."""
+    torch.manual_seed(5)
+    config = TransformerConfig(vocab_size=5, dim=16, n_layers=1, n_heads=2, layout="block_causal", block_size=2,
+                               mask_token_id=2, max_seq_len=16)
+    model = TransformerLM(config).eval()
+    prompt = torch.tensor([0, 3])
+    with torch.no_grad():
+        expected = sequential_distribution(model, prompt, 4, block_length=2)
+        out = dllm.generate(model, prompt.expand(6000, -1), sampler="fef", max_new_tokens=4, block_length=2,
+                            window=2, verifier="structured", draft="stale", eos_token_id=None,
+                            generator=torch.Generator().manual_seed(1))
+    assert chi_square_pvalue(out.sequences[:, 2:], expected) > ALPHA
+    assert out.stats.accepted < out.stats.drafted

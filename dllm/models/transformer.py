@@ -296,6 +296,44 @@ def _never_empty(mask: Tensor, n_past: int) -> Tensor:
     return mask | (diagonal & ~mask.any(dim=-1, keepdim=True))
 
 
+def _structured_mask(positions: Tensor, count: Tensor, bonus: Tensor, length: int, width: int) -> Tensor:
+    """Who sees whom in ``structured_verify``: state, drafts, window queries, bonus query.  # [R, Lq, Lq]"""
+    n = positions.shape[0]
+    device = positions.device
+    big = width + 1
+    # slot[k]: the window index j whose position is state position k (big when k is in no window slot).
+    j = torch.arange(width, device=device)
+    live = j[None, :] < count[:, None]  # [R, W]
+    match = (positions[:, :, None] == torch.arange(length, device=device)) & live[:, :, None]  # [R, W, L]
+    slot = torch.where(match.any(dim=1), match.long().argmax(dim=1), big)  # [R, L]
+    is_bonus = torch.arange(length, device=device)[None, :] == bonus[:, None]  # [R, L]
+    i = j
+    # Rows of each block: state queries (L), draft queries (W), window queries (W), the bonus query (1).
+    state_to_state = torch.ones(n, length, length, dtype=torch.bool, device=device)
+    draft_to_state = slot[:, None, :] > i[None, :, None]  # draft i: state minus s_0..s_i
+    query_to_state = slot[:, None, :] > i[None, :, None]  # window query j: state minus s_0..s_j
+    bonus_to_state = ((slot >= big) & ~is_bonus)[:, None, :]
+    lower = i[:, None] >= i[None, :]  # [W, W]: draft i sees drafts i' <= i
+    draft_live = live[:, None, :]
+    draft_to_draft = lower[None] & draft_live
+    query_to_draft = (i[:, None] > i[None, :])[None] & draft_live  # window query j sees drafts i' < j
+    bonus_to_draft = draft_live[:, :1, :].expand(n, 1, width)
+    eye = torch.eye(width, dtype=torch.bool, device=device).expand(n, width, width)
+    none_w = torch.zeros(n, width, width, dtype=torch.bool, device=device)
+    rows = [
+        torch.cat([state_to_state, _zeros(n, length, 2 * width + 1, device=device)], 2),
+        torch.cat([draft_to_state, draft_to_draft, none_w, _zeros(n, width, 1, device=device)], 2),
+        torch.cat([query_to_state, query_to_draft, eye, _zeros(n, width, 1, device=device)], 2),
+        torch.cat([bonus_to_state, bonus_to_draft, _zeros(n, 1, width, device=device),
+                   torch.ones(n, 1, 1, dtype=torch.bool, device=device)], 2),
+    ]
+    return torch.cat(rows, dim=1)
+
+
+def _zeros(*shape: int, device=None) -> Tensor:
+    return torch.zeros(shape, dtype=torch.bool, device=device)
+
+
 class TransformerLM(nn.Module):
     """Tokens in, logits out: ``model(input_ids [B, L]) -> logits [B, L, V]`` (float32).
 
@@ -403,6 +441,56 @@ class TransformerLM(nn.Module):
         if use_cache:
             cache.append(new_kv, position_ids, query_valid)
         return self._logits(h)
+
+    def structured_verify(
+        self,
+        input_ids: Tensor,  # [R, L] the state (window positions masked)
+        positions: Tensor,  # [R, W] window positions s_j
+        drafts: Tensor,  # [R, W] draft tokens d_j
+        count: Tensor,  # [R] valid drafts per row
+        bonus: Tensor,  # [R] bonus position, -1 for none
+        *,
+        cache: KVCache | None = None,
+        rows: Tensor | None = None,  # [R] cache rows (with cache)
+        attention_mask: Tensor | None = None,  # [R, cache.length + L] 0/1
+        block_offset: int | Tensor = 0,
+    ) -> tuple[Tensor, Tensor]:
+        """One-pass verification: target logits [R, W + 1, V] (row count[r] is the bonus) and the state's
+        logits [R, L, V].
+
+        The input is the state, then the drafts at their window positions, then one masked query per
+        window position and one for the bonus position. Query j sees the state without s_0..s_j, the
+        drafts d_<j and itself: the context of fef's copy j, except that the state's other tokens keep
+        the representations they have in the state. For a one-layer model that is exactly copy j; deeper
+        models match the copies verifier only if trained for this pass (it then defines its own
+        conditional), so samplers label its output approximate.
+        """
+        if cache is not None and rows is not None:
+            cache = cache.select(rows)
+        n, length = input_ids.shape
+        width = positions.shape[1]
+        valid = torch.ones_like(input_ids, dtype=torch.bool)
+        if attention_mask is not None:
+            valid = attention_mask[:, attention_mask.shape[1] - length:].bool()
+        start = cache.next_position()[:, None] if cache is not None and cache.length else 0
+        state_pos = start + (valid.long().cumsum(dim=-1) - 1).clamp(min=0)  # [R, L]
+        window_pos = state_pos.gather(1, positions)
+        bonus_pos = state_pos.gather(1, bonus.clamp(min=0)[:, None])
+        mask_id = torch.full_like(drafts, self.mask_token_id)
+        tokens = torch.cat([input_ids, drafts, mask_id, mask_id[:, :1]], dim=1)
+        pos = torch.cat([state_pos, window_pos, window_pos, bonus_pos], dim=1)
+        structure = _structured_mask(positions, count, bonus, length, width)  # [R, Lq, Lq]
+        keys_valid = torch.cat([valid, torch.ones_like(tokens[:, length:], dtype=torch.bool)], dim=1)
+        mask = structure & layout_mask(self.layout, pos, pos, self.config.block_size, block_offset)
+        mask = mask & keys_valid[:, None, :]
+        if cache is not None and cache.length:
+            past = layout_mask(self.layout, pos, cache.positions, self.config.block_size, block_offset)
+            mask = torch.cat([past, mask], dim=2)
+        logits = self.forward(tokens, attention_mask=mask, position_ids=pos, cache=cache)
+        targets = logits[:, length + width :].clone()  # W window queries, then the bonus query
+        rows = torch.arange(n, device=logits.device)
+        targets[rows, count] = logits[:, -1]  # the bonus goes to row count[r], verify's ragged layout
+        return targets, logits[:, :length]
 
     def _check_positions(self, position_ids: Tensor) -> None:
         """Positions must index the rotary tables (a clear error instead of a device-side assert)."""
