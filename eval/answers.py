@@ -1,0 +1,148 @@
+"""Answer extraction: pull the final answer (a number, a LaTeX expression, a code block) out of a completion.
+
+Every function here is pure string processing so the tasks, the `evaluate` metric modules and the tests
+share one definition of "what the model answered".
+"""
+
+from __future__ import annotations
+
+import re
+from decimal import Decimal, InvalidOperation
+
+__all__ = [
+    "extract_boxed",
+    "extract_code_block",
+    "extract_final_answer_sentence",
+    "extract_last_number",
+    "extract_math_answer",
+    "extract_strict_number",
+    "gsm8k_reference",
+    "math_reference",
+    "normalize_number",
+    "truncate_at_stop",
+]
+
+# A number as people write it in word problems: optional sign and currency, thousands separators only
+# in groups of three (so "3,4,5" is three numbers, not 345), optional decimals. The lookbehind keeps
+# "x2" or "1.2.3"-style fragments from yielding a number glued to a word.
+_NUMBER = r"-?\$?\s?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\$?\s?\.\d+"
+_NUMBER_RE = re.compile(rf"(?<![\w.])(?:{_NUMBER})")
+_STRICT_RES = (
+    re.compile(rf"####\s*({_NUMBER})"),
+    re.compile(rf"(?i:the\s+(?:final\s+)?answer\s+is)\s*:?\s*({_NUMBER})"),
+)
+_FINAL_ANSWER_RE = re.compile(r"(?i:final\s+answer\s+is)\s*:?\s*(.+?)\s*(?:\.?\s*I hope|\n|$)")
+
+
+def truncate_at_stop(text: str, stop: tuple[str, ...] | list[str]) -> str:
+    """Cut `text` at the earliest occurrence of any stop sequence (what a generation loop would do)."""
+    cut = min((i for s in stop if s and (i := text.find(s)) >= 0), default=len(text))
+    return text[:cut]
+
+
+def normalize_number(text: str | None) -> str | None:
+    """Canonical decimal string for a written number: "$1,234.50" -> "1234.5", "18.00" -> "18".
+
+    Returns None when `text` holds no number. Units and trailing words are ignored because only the
+    leading numeric token is read.
+    """
+    if text is None:
+        return None
+    match = _NUMBER_RE.search(text.replace("\u2212", "-"))
+    if match is None:
+        return None
+    digits = re.sub(r"[\s$,]", "", match.group(0))
+    try:
+        value = Decimal(digits)
+    except InvalidOperation:
+        return None
+    # format(normalize()) drops trailing zeros without switching to exponent notation ("1.8E+2").
+    canonical = format(value.normalize(), "f")
+    return "0" if canonical in ("-0", "0") else canonical
+
+
+def extract_last_number(text: str) -> str | None:
+    """The last number in `text`, normalised (GSM8K's "flexible" answer)."""
+    matches = _NUMBER_RE.findall(text.replace("\u2212", "-"))
+    return normalize_number(matches[-1]) if matches else None
+
+
+def extract_strict_number(text: str) -> str | None:
+    """The number after the first `#### ` marker, else after the first "The answer is" (GSM8K's format)."""
+    for pattern in _STRICT_RES:
+        match = pattern.search(text.replace("\u2212", "-"))
+        if match:
+            return normalize_number(match.group(1))
+    return None
+
+
+def gsm8k_reference(answer: str) -> str | None:
+    """The gold number of a GSM8K solution (text after its last `####`), or of a bare number string."""
+    return normalize_number(answer.rsplit("####", 1)[-1])
+
+
+def _balanced_group(text: str, open_index: int) -> str | None:
+    """Content of the `{...}` group opening at `open_index`, honouring nesting; None if unclosed."""
+    depth = 0
+    for index in range(open_index, len(text)):
+        char = text[index]
+        if char == "{" and text[index - 1 : index] != "\\":
+            depth += 1
+        elif char == "}" and text[index - 1 : index] != "\\":
+            depth -= 1
+            if depth == 0:
+                return text[open_index + 1 : index]
+    return None
+
+
+def extract_boxed(text: str) -> str | None:
+    r"""Content of the last `\boxed{...}` or `\fbox{...}` (balanced braces); also `\boxed 5`."""
+    for match in reversed(list(re.finditer(r"\\(?:boxed|fbox)\s*(\{|\s[^\s$]+)", text))):
+        if match.group(1) == "{":
+            content = _balanced_group(text, match.start(1))
+            if content is not None:
+                return content.strip()
+        else:
+            return match.group(1).strip()
+    return None
+
+
+def extract_final_answer_sentence(text: str) -> str | None:
+    """The expression in the last "The final answer is X" sentence, with surrounding `$` removed."""
+    matches = _FINAL_ANSWER_RE.findall(text)
+    if not matches:
+        return None
+    answer = matches[-1].strip().rstrip(".").strip()
+    return answer.strip("$").strip() or None
+
+
+def extract_math_answer(text: str) -> str | None:
+    r"""A MATH completion's answer: the last `\boxed{}`/`\fbox{}`, else a final-answer sentence."""
+    return extract_boxed(text) or extract_final_answer_sentence(text)
+
+
+def math_reference(reference: str) -> str:
+    r"""The gold answer of a MATH record: its last `\boxed{}` when given a full solution, else as is."""
+    return extract_boxed(reference) or reference.strip()
+
+
+_FENCE_RE = re.compile(r"```[ \t]*([\w+#.-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
+
+
+def extract_code_block(text: str, must_contain: str | None = None) -> str | None:
+    """The Python code of a fenced block in a chat completion; None when there is no fence.
+
+    Prefers blocks tagged python (or untagged), and among them the first containing `must_contain`
+    (e.g. `def entry_point(`), else the longest one. An unterminated last fence (generation cut off)
+    still counts.
+    """
+    blocks = [(lang.lower(), body) for lang, body in _FENCE_RE.findall(text)]
+    python_blocks = [body for lang, body in blocks if lang in ("", "python", "py", "python3")]
+    candidates = python_blocks or [body for _, body in blocks]
+    if not candidates:
+        return None
+    if must_contain is not None:
+        for body in candidates:
+            if must_contain in body:
+                return body
+    return max(candidates, key=len)

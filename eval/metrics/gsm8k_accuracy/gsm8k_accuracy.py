@@ -1,0 +1,57 @@
+"""GSM8K accuracy: flexible (last number) and strict (`#### N`) match of completions to gold answers."""
+
+import datasets
+import evaluate
+
+from dllm.eval.scoring import accuracy, score_gsm8k
+
+_DESCRIPTION = """
+Accuracy of GSM8K-style completions. `accuracy` counts a completion correct when its last number
+equals the gold number; `strict_accuracy` when the number after `####` (or "The answer is") does.
+Numbers are normalised first (thousands separators, `$`, trailing zeros). Same scoring as dllm's
+gsm8k and synthetic tasks (`dllm.eval.scoring.score_gsm8k`).
+"""
+
+_KWARGS_DESCRIPTION = """
+Args:
+    predictions: list of model completions (str).
+    references: list of gold solutions ending in `#### N`, or bare gold numbers (str).
+Returns:
+    accuracy: flexible-match accuracy in [0, 1].
+    strict_accuracy: strict-format accuracy in [0, 1].
+Examples:
+    >>> metric = evaluate.load(path)
+    >>> metric.compute(predictions=["So she pays $1,200.00.\\n#### 1200"], references=["... #### 1200"])
+    {'accuracy': 1.0, 'strict_accuracy': 1.0}
+"""
+
+_CITATION = """
+@article{cobbe2021gsm8k,
+  title={Training Verifiers to Solve Math Word Problems},
+  author={Cobbe, Karl and others},
+  journal={arXiv preprint arXiv:2110.14168},
+  year={2021}
+}
+"""
+
+
+@evaluate.utils.file_utils.add_start_docstrings(_DESCRIPTION, _KWARGS_DESCRIPTION)
+class Gsm8kAccuracy(evaluate.Metric):
+    """Flexible and strict GSM8K accuracy."""
+
+    def _info(self):
+        return evaluate.MetricInfo(
+            description=_DESCRIPTION,
+            citation=_CITATION,
+            inputs_description=_KWARGS_DESCRIPTION,
+            features=datasets.Features(
+                {"predictions": datasets.Value("string"), "references": datasets.Value("string")}
+            ),
+        )
+
+    def _compute(self, predictions, references):
+        scores = [score_gsm8k(p, r) for p, r in zip(predictions, references)]
+        return {
+            "accuracy": accuracy(s["correct"] for s in scores),
+            "strict_accuracy": accuracy(s["strict"] for s in scores),
+        }

@@ -1,0 +1,133 @@
+"""Scorers shared by the tasks and the `evaluate` metric modules: one definition of each metric.
+
+- GSM8K-style numeric match: `correct` compares the last number of the completion (flexible match),
+  `strict` the number in the `#### N` / "The answer is N" format; both against the `####` gold.
+- MATH: symbolic equivalence with math-verify (Kydlicek et al., Hugging Face) of the extracted answer.
+- Code: the unbiased pass@k estimator of Chen et al. 2021 ("Evaluating Large Language Models Trained on
+  Code", section 2.1), in its numerically stable product form.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import threading
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+
+from dllm.eval.answers import (
+    extract_last_number,
+    extract_math_answer,
+    extract_strict_number,
+    gsm8k_reference,
+    math_reference,
+)
+
+__all__ = [
+    "accuracy",
+    "estimate_pass_at_k",
+    "math_equal",
+    "pass_at_k",
+    "pass_at_k_by_problem",
+    "score_gsm8k",
+    "score_math",
+]
+
+logger = logging.getLogger(__name__)
+
+MATH_VERIFY_TIMEOUT_S = 5  # math-verify's own SIGALRM timeout, per parse and per comparison (integer s)
+
+
+def score_gsm8k(completion: str, reference: str) -> dict:
+    """Score a GSM8K-format completion against a gold solution (`... #### N`) or a bare gold number.
+
+    Returns `correct` (flexible: last number in the completion), `strict` (`#### N` or "The answer is
+    N"), both extracted answers and the normalised reference.
+    """
+    gold = gsm8k_reference(reference)
+    flexible = extract_last_number(completion)
+    strict = extract_strict_number(completion)
+    return {
+        "correct": gold is not None and flexible == gold,
+        "strict": gold is not None and strict == gold,
+        "answer": flexible,
+        "strict_answer": strict,
+        "reference": gold,
+    }
+
+
+def _math_verify_timeout() -> int | None:
+    """math-verify's timeout uses SIGALRM, which works only on the main thread; elsewhere run without."""
+    if threading.current_thread() is threading.main_thread():
+        return MATH_VERIFY_TIMEOUT_S
+    _warn_no_timeout()
+    return None
+
+
+@functools.cache
+def _warn_no_timeout() -> None:
+    logger.warning("math-verify called off the main thread: its SIGALRM timeout is disabled")
+
+
+def math_equal(prediction: str | None, reference: str) -> bool:
+    r"""Whether two LaTeX answers are mathematically equivalent (`\frac{1}{2}` = `0.5` = `1/2`).
+
+    Both sides are wrapped in `\boxed{}` and parsed by math-verify with LaTeX extraction (boxed first)
+    plus plain-expression extraction; `verify` is called gold first, as math-verify requires (it is not
+    symmetric). A parse or comparison that exceeds the timeout counts as not equal.
+    """
+    if not prediction:
+        return False
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+
+    config = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
+    timeout = _math_verify_timeout()
+    gold = parse(f"\\boxed{{{reference}}}", config, parsing_timeout=timeout)
+    predicted = parse(f"\\boxed{{{prediction}}}", config, parsing_timeout=timeout)
+    if not gold or not predicted:
+        return False
+    return bool(verify(gold, predicted, timeout_seconds=timeout))
+
+
+def score_math(completion: str, reference: str) -> dict:
+    r"""Score a MATH completion against a gold answer (or a full solution, whose last `\boxed{}` is used)."""
+    gold = math_reference(reference)
+    answer = extract_math_answer(completion)
+    return {"correct": math_equal(answer, gold), "answer": answer, "reference": gold}
+
+
+def accuracy(flags: Iterable[bool]) -> float:
+    """Fraction of true flags (0.0 for none)."""
+    values = [bool(flag) for flag in flags]
+    return sum(values) / len(values) if values else 0.0
+
+
+def estimate_pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
+    """Unbiased pass@k for one problem: 1 - C(n-c, k) / C(n, k), as a stable product (Chen et al. 2021)."""
+    if k > num_samples:
+        raise ValueError(f"pass@{k} needs at least {k} samples per problem, got {num_samples}")
+    if num_samples - num_correct < k:
+        return 1.0
+    # C(n-c, k) / C(n, k) = prod_{i=n-c+1}^{n} (1 - k / i); no huge binomials, no overflow.
+    return 1.0 - math.prod(1.0 - k / i for i in range(num_samples - num_correct + 1, num_samples + 1))
+
+
+def pass_at_k(samples_per_problem: Sequence[Sequence[bool]], k: int) -> float:
+    """Mean unbiased pass@k over problems, each given as its list of per-sample pass flags."""
+    if not samples_per_problem:
+        return 0.0
+    estimates = [estimate_pass_at_k(len(s), sum(map(bool, s)), k) for s in samples_per_problem]
+    return sum(estimates) / len(estimates)
+
+
+def pass_at_k_by_problem(
+    problem_ids: Sequence[str], passed: Sequence[bool], ks: Sequence[int] = (1,)
+) -> dict[str, float]:
+    """pass@k for each k feasible with the fewest samples any problem has, grouping flags by problem id."""
+    groups: dict[str, list[bool]] = defaultdict(list)
+    for problem_id, flag in zip(problem_ids, passed, strict=True):
+        groups[problem_id].append(bool(flag))
+    samples = list(groups.values())
+    fewest = min((len(s) for s in samples), default=0)
+    return {f"pass@{k}": pass_at_k(samples, k) for k in ks if k <= fewest}

@@ -1,0 +1,51 @@
+"""The evaluate metric modules load offline from the package and agree with the task scorers."""
+
+import pytest
+
+from dllm.eval.metrics import METRICS, load_metric, metric_path
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    """Offline mode, both in the environment and in evaluate's config (read once, at its import)."""
+    for name in ("HF_HUB_OFFLINE", "HF_EVALUATE_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.setenv(name, "1")
+    import evaluate.config
+
+    monkeypatch.setattr(evaluate.config, "HF_EVALUATE_OFFLINE", True)
+
+
+def test_metric_paths_exist():
+    for name in METRICS:
+        assert metric_path(name).endswith(f"{name}/{name}.py")
+    with pytest.raises(ValueError, match="unknown metric"):
+        metric_path("code_eval")
+
+
+def test_gsm8k_accuracy_module():
+    metric = load_metric("gsm8k_accuracy")
+    result = metric.compute(
+        predictions=["So she pays $1,200.00.\n#### 1200", "I think it is 7 or 8", "#### 3\nso 4"],
+        references=["... #### 1,200", "#### 8", "3"],
+    )
+    assert result == {"accuracy": pytest.approx(2 / 3), "strict_accuracy": pytest.approx(2 / 3)}
+
+
+def test_math_accuracy_module():
+    metric = load_metric("math_accuracy")
+    result = metric.compute(
+        predictions=[r"so $\boxed{0.5}$", r"\boxed{\frac{1}{3}}", "no answer"],
+        references=[r"\frac{1}{2}", r"Hence \boxed{\dfrac{1}{3}}.", "2"],
+    )
+    assert result == {"accuracy": pytest.approx(2 / 3)}
+
+
+def test_code_pass_at_k_module_runs_in_the_sandbox():
+    metric = load_metric("code_pass_at_k")
+    result = metric.compute(
+        predictions=[["def f():\n    return 1", "def f():\n    return 2"], ["def g():\n    while True: pass"] * 2],
+        references=["assert f() == 1", "assert g() is None"],
+        k=[1, 2],
+        timeout=1.0,
+    )
+    assert result == {"pass@1": pytest.approx(0.25), "pass@2": pytest.approx(0.5)}

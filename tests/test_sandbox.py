@@ -1,0 +1,250 @@
+"""The sandbox against hostile programs: each must end as a failure within its timeout and leave the
+machine, the evaluating process and other programs' results intact.
+
+Isolation checks that need root and Linux namespaces are skipped with a reason elsewhere. The fork
+bomb runs only after the bounded fork test has shown the process limit in force.
+"""
+
+import os
+import signal
+import socket
+import sys
+import textwrap
+import time
+
+import pytest
+
+from dllm.eval import sandbox
+from dllm.eval.sandbox import Isolation, Limits, run_many, run_program
+
+IS_ROOT_ON_LINUX = sys.platform.startswith("linux") and os.geteuid() == 0
+needs_root = pytest.mark.skipif(not IS_ROOT_ON_LINUX, reason="namespaces and uid switching need root on Linux")
+SANDBOX_UID_FLOOR = 1_000_000_000  # sandbox._fresh_uid draws uids from here up
+
+
+def program(text: str) -> str:
+    return textwrap.dedent(text).strip() + "\n"
+
+
+def processes_of(uids: set[int]) -> list[int]:
+    """Pids of live (not zombie) processes owned by any of `uids`."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                uid = os.stat(f"/proc/{entry}").st_uid
+                state = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[0]
+            except (FileNotFoundError, ProcessLookupError, IndexError):
+                continue
+            if uid in uids and state != "Z":  # a zombie is dead, awaiting its reaper
+                pids.append(int(entry))
+    return pids
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_processes(monkeypatch):
+    """Every test must leave no process running under the uids its programs ran as.
+
+    Only this test's uids are checked: other sessions may be running sandboxes on the machine too.
+    """
+    used: set[int] = set()
+    draw = sandbox._fresh_uid
+
+    def recording_draw() -> int:
+        uid = draw()
+        used.add(uid)
+        return uid
+
+    monkeypatch.setattr(sandbox, "_fresh_uid", recording_draw)
+    yield
+    if sys.platform.startswith("linux"):
+        deadline = time.monotonic() + 5.0
+        while processes_of(used) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert processes_of(used) == []
+
+
+def test_passing_and_failing_programs():
+    ok = run_program("print('hello')")
+    assert (ok.passed, ok.status, ok.returncode, ok.stdout) == (True, "passed", 0, "hello\n")
+    bad = run_program("assert 1 + 1 == 3")
+    assert (bad.passed, bad.status, bad.returncode) == (False, "failed", 1)
+    assert "AssertionError" in bad.stderr and bad.duration > 0
+
+
+def test_environment_is_scrubbed(monkeypatch):
+    monkeypatch.setenv("DLLM_SECRET_TOKEN", "do-not-leak")
+    result = run_program("import os; print(sorted(os.environ))")
+    assert "DLLM_SECRET_TOKEN" not in result.stdout and result.passed
+
+
+def test_infinite_loop_times_out():
+    start = time.monotonic()
+    result = run_program("while True:\n    pass\n", timeout=1.0)
+    assert (result.status, result.passed) == ("timeout", False)
+    assert time.monotonic() - start < 5.0
+
+
+def test_memory_bomb_fails():
+    bomb = "blocks = []\nwhile True:\n    blocks.append(bytearray(16 << 20))\n"
+    result = run_program(bomb, timeout=10.0, limits=Limits(memory_bytes=256 << 20))
+    assert result.status == "failed" and "MemoryError" in result.stderr
+
+
+def test_huge_allocation_fails_fast():
+    result = run_program("x = bytearray(8 << 30)", limits=Limits(memory_bytes=512 << 20))
+    assert result.status == "failed" and "MemoryError" in result.stderr
+
+
+def test_output_flood_is_capped():
+    result = run_program("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n", timeout=5.0)
+    assert not result.passed and len(result.stdout) <= sandbox.TAIL_BYTES
+
+
+def test_bounded_fork_loop_hits_the_process_limit():
+    """Checked before the fork bomb: the limit must stop a fork loop well short of the machine's."""
+    result = run_program(
+        program(
+            """
+            import os, time
+            for i in range(100):
+                if os.fork() == 0:
+                    time.sleep(30)
+                    os._exit(0)
+            """
+        ),
+        limits=Limits(processes=16),
+        timeout=10.0,
+    )
+    assert result.status == "failed" and "BlockingIOError" in result.stderr
+
+
+@needs_root
+def test_fork_bomb_is_contained():
+    bomb = program(
+        """
+        import os
+        while True:
+            try:
+                if os.fork() == 0:
+                    os.setsid()  # try to leave the process group the sandbox kills
+            except OSError:
+                pass
+        """
+    )
+    start = time.monotonic()
+    result = run_program(bomb, timeout=2.0)
+    assert result.status == "timeout" and time.monotonic() - start < 8.0
+    assert run_program("print('still fine')").passed
+
+
+@needs_root
+def test_writes_outside_the_sandbox_fail(tmp_path):
+    target = tmp_path / "escaped.txt"
+    tmp_path.chmod(0o777)  # even a world-writable folder outside must stay out of reach
+    result = run_program(f"open({str(target)!r}, 'w').write('x')")
+    assert result.status == "failed" and not target.exists()
+    sibling = run_program("open('../escaped.txt', 'w').write('x')")
+    assert sibling.status == "failed"
+    assert run_program("open('scratch.txt', 'w').write('own folder is fine')").passed
+
+
+@needs_root
+def test_network_is_unreachable():
+    """Loopback only: a listening socket here must never see a connection from the program."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        server.setblocking(False)
+        port = server.getsockname()[1]
+        result = run_program(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\n")
+        assert result.status == "failed" and "Error" in result.stderr
+        with pytest.raises(BlockingIOError):
+            server.accept()
+    assert result.isolation["network_isolated"] is True
+
+
+@needs_root
+@pytest.mark.parametrize("pids", [True, False])
+def test_killing_the_parent_or_evaluator_fails(pids):
+    evaluator = os.getpid()
+    hostile = program(
+        f"""
+        import os, signal
+        for pid in (os.getppid(), {evaluator}, 1):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        os.killpg(0, signal.SIGKILL)
+        """
+    )
+    result = run_program(hostile, isolation=Isolation(pids=pids))
+    assert not result.passed and result.status in ("failed", "error")
+    assert os.getpid() == evaluator  # we are alive to check
+
+
+@needs_root
+def test_isolation_flags_are_recorded():
+    result = run_program("import os\nprint(os.getuid())")
+    assert result.isolation == {
+        "network_isolated": True,
+        "fs_isolated": True,
+        "pid_isolated": True,
+        "privileges_dropped": True,
+    }
+    assert int(result.stdout) >= SANDBOX_UID_FLOOR
+
+
+def test_refused_protections_are_recorded_not_silent():
+    result = run_program("pass", isolation=Isolation(network=False, filesystem=False, pids=False))
+    assert result.passed
+    assert result.isolation["network_isolated"] is False and result.isolation["pid_isolated"] is False
+
+
+@needs_root
+def test_escaped_children_are_reaped_without_a_pid_namespace():
+    """With no PID namespace the leftovers are killed by uid (checked by the autouse fixture)."""
+    escape = program(
+        """
+        import os, time
+        if os.fork() == 0:
+            os.setsid()
+            time.sleep(60)
+            os._exit(0)
+        print('parent done')
+        """
+    )
+    result = run_program(escape, isolation=Isolation(pids=False))
+    assert result.passed and result.isolation["pid_isolated"] is False
+
+
+def test_program_that_cannot_start_is_an_error(monkeypatch):
+    monkeypatch.setattr(sandbox, "PYTHON", "/nonexistent/python3")
+    result = run_program("pass")
+    assert (result.status, result.passed) == ("error", False)
+    assert "could not start program" in result.stderr
+
+
+def test_run_many_keeps_order_and_isolates_programs():
+    good = "print('ok')"
+    programs = [
+        good,
+        "while True:\n    pass\n",
+        "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n",
+        "x = bytearray(8 << 30)",
+        good,
+    ]
+    start = time.monotonic()
+    results = run_many(programs, timeout=2.0, max_workers=2)
+    assert [r.status for r in results] == ["passed", "timeout", "timeout", "failed", "passed"]
+    assert time.monotonic() - start < 10.0
+
+
+def test_run_many_empty():
+    assert run_many([]) == []
+
+
+def test_signal_death_counts_as_failure():
+    result = run_program("import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)")
+    assert result.status == "failed" and result.returncode == 128 + signal.SIGSEGV
