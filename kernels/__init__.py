@@ -1,5 +1,21 @@
-"""Hot-path kernels, each beside a torch reference with the same signature (installed as dllm.kernels)."""
+"""Hot-path kernels, each beside a torch reference with the same signature (installed as dllm.kernels).
 
+Dispatchers (``sample_confidence``, ``verify_logits``) run the Triton kernel on CUDA tensors when Triton
+is installed and the reference elsewhere. The Triton modules (``sampling_triton``, ``verify_triton``)
+import ``triton`` and are loaded only when used.
+"""
+
+from .noise import draw_seed
 from .sampling import SampleConfidence, sample_confidence, sample_confidence_reference
+from .verify import VerifyResult, verify_logits, verify_logits_reference, verify_probs
 
-__all__ = ["SampleConfidence", "sample_confidence", "sample_confidence_reference"]
+__all__ = [
+    "SampleConfidence",
+    "VerifyResult",
+    "draw_seed",
+    "sample_confidence",
+    "sample_confidence_reference",
+    "verify_logits",
+    "verify_logits_reference",
+    "verify_probs",
+]

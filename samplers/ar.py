@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import torch
 
-from dllm.numerics import forbid_token, sample_from_logits, softmax
+from dllm.kernels import verify_logits
+from dllm.numerics import forbid_token, sample_from_logits
 from dllm.protocols import has_cache, is_diffusion_model
 from dllm.stats import DecodeStats
 
 from .canvas import Caller, is_stop
-from .verify import verify
 
 
 def ar(
@@ -74,14 +74,13 @@ def ar_spec(
     while rows.numel():
         length = lengths[rows]
         num_drafts = torch.clamp(total - length - 1, max=num_draft_tokens)  # leave room for the bonus
-        drafts, draft_probs, num_drafts = _draft(
+        drafts, draft_logits, num_drafts = _draft(
             drafter, draft_caller, seq[rows], rows, length, num_drafts, num_draft_tokens, temperature, generator,
             max_ngram,
         )
         target = _target_rows(caller, kv, seq[rows], rows, length, drafts)  # [R, K + 1, V]
-        greedy = temperature == 0
-        outcome = verify(drafts, draft_probs, target if greedy else softmax(target, temperature), num_drafts,
-                         generator=generator, greedy=greedy)
+        outcome = verify_logits(drafts, draft_logits, target, num_drafts, temperature=temperature,
+                                generator=generator)
         stats.count_verification(num_drafts, outcome.num_accepted, outcome.num_emitted)
         emitted, stopped = _cut_at_eos(outcome.tokens, outcome.num_emitted, eos_token_id)
         offsets = torch.arange(outcome.tokens.shape[1], device=seq.device)
@@ -161,7 +160,7 @@ def _append(seq: torch.Tensor, length: torch.Tensor, tokens: torch.Tensor) -> to
 
 
 def _draft(drafter, caller, seq, rows, length, num_drafts, width, temperature, generator, max_ngram):
-    """Drafts [R, K], draft_probs [R, K, V] or None (point masses), valid drafts per row [R]."""
+    """Drafts [R, K], the logits they were drawn from [R, K, V] (None: point masses), valid drafts [R]."""
     if isinstance(drafter, str):
         drafts, found = _ngram_drafts(seq, length, num_drafts, width, max_ngram)
         return drafts, None, found
@@ -169,9 +168,9 @@ def _draft(drafter, caller, seq, rows, length, num_drafts, width, temperature, g
         logits = _diffusion_draft_logits(drafter, caller, seq, rows, length, width)
         flat = logits.reshape(-1, logits.shape[-1])
         drafts = sample_from_logits(flat, temperature, generator).reshape(logits.shape[:2])
-        return drafts, (None if temperature == 0 else softmax(logits, temperature)), num_drafts
-    drafts, probs = _causal_drafts(caller, seq, rows, length, width, temperature, generator)
-    return drafts, probs, num_drafts
+        return drafts, logits, num_drafts
+    drafts, logits = _causal_drafts(caller, seq, rows, length, width, temperature, generator)
+    return drafts, logits, num_drafts
 
 
 def _diffusion_draft_logits(drafter, caller, seq, rows, length, width) -> torch.Tensor:
@@ -186,17 +185,16 @@ def _diffusion_draft_logits(drafter, caller, seq, rows, length, width) -> torch.
 
 
 def _causal_drafts(caller, seq, rows, length, width, temperature, generator):
-    """``width`` sequential draft calls of a causal drafter -> (drafts [R, K], draft_probs [R, K, V] | None)."""
+    """``width`` sequential draft calls of a causal drafter -> (drafts [R, K], their logits [R, K, V])."""
     index = torch.arange(seq.shape[0], device=seq.device)
     drafts = torch.zeros((seq.shape[0], width), dtype=torch.long, device=seq.device)
-    probs = []
+    steps = []
     for j in range(width):
         extended = _append(seq, length, drafts[:, :j])
         logits = caller(extended, rows, served=len(rows))[index, length + j - 1]
         drafts[:, j] = sample_from_logits(logits, temperature, generator)
-        if temperature > 0:
-            probs.append(softmax(logits, temperature))
-    return drafts, (torch.stack(probs, dim=1) if probs else None)
+        steps.append(logits)
+    return drafts, torch.stack(steps, dim=1)
 
 
 def _ngram_drafts(seq, length, num_drafts, width, max_ngram) -> tuple[torch.Tensor, torch.Tensor]:

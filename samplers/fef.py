@@ -30,12 +30,12 @@ from dataclasses import dataclass
 
 import torch
 
-from dllm.numerics import forbid_token, sample_from_logits, softmax
+from dllm.kernels import verify_logits
+from dllm.numerics import forbid_token, sample_from_logits
 from dllm.stats import DecodeStats
 
 from .canvas import View
 from .order import choose_window, pick_next
-from .verify import verify
 
 DRAFT_SOURCES = ("marginal", "stale")
 VERIFIERS = ("copies", "structured")
@@ -103,7 +103,7 @@ def fef_round(
     x, mask_id = view.x, view.mask_token_id
     rows = torch.arange(x.shape[0], device=x.device)
     positions, count = choose_window(order, draft_logits, view.candidates(x), mask_id, window)
-    drafts, draft_probs = _draft(draft_logits[rows[:, None], positions], mask_id, temperature, generator)
+    drafts, window_logits = _draft(draft_logits[rows[:, None], positions], mask_id, temperature, generator)
 
     copies, copy_index, row_of = _build_copies(x, positions, drafts, count, skip_first=draft_is_state)
     copy_logits = view.call(copies, row_of)
@@ -125,10 +125,8 @@ def fef_round(
     target_positions[rows, num_drafts] = picks[rows, num_drafts].clamp(min=0)
     has_bonus = picks[rows, num_drafts] >= 0
     target_logits = forbid_token(all_logits[copy_index.clamp(min=0), target_positions], mask_id)  # [R, W+1, V]
-    greedy = temperature == 0
-    target = target_logits if greedy else softmax(target_logits, temperature)
-    outcome = verify(drafts, draft_probs, target, num_drafts, has_bonus=has_bonus, generator=generator,
-                     greedy=greedy)
+    outcome = verify_logits(drafts, window_logits, target_logits, num_drafts, temperature=temperature,
+                            has_bonus=has_bonus, generator=generator)
     stats.count_verification(num_drafts, outcome.num_accepted, outcome.num_emitted)
 
     emitted_positions = torch.where(outcome.tokens >= 0, target_positions, -1)
@@ -163,12 +161,10 @@ def structured_round(
     bonus = torch.full_like(count, -1)
     if ranked.shape[1] > width:  # the next position after the window, where the row has one
         bonus = torch.where(available > width, ranked[:, width], bonus)
-    drafts, draft_probs = _draft(draft_logits[rows[:, None], positions], mask_id, temperature, generator)
+    drafts, window_logits = _draft(draft_logits[rows[:, None], positions], mask_id, temperature, generator)
     targets, state_logits = view.structured(x, positions, drafts, count, bonus)
-    greedy = temperature == 0
-    targets = forbid_token(targets, mask_id)
-    outcome = verify(drafts, draft_probs, targets if greedy else softmax(targets, temperature), count,
-                     has_bonus=bonus >= 0, generator=generator, greedy=greedy)
+    outcome = verify_logits(drafts, window_logits, forbid_token(targets, mask_id), count, temperature=temperature,
+                            has_bonus=bonus >= 0, generator=generator)
     stats.count_verification(count, outcome.num_accepted, outcome.num_emitted)
     target_positions = torch.cat([positions, positions[:, :1]], dim=1)
     target_positions[rows, count] = bonus.clamp(min=0)
@@ -185,12 +181,13 @@ def _draft(
     mask_id: int,
     temperature: float,
     generator: torch.Generator,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Independent drafts from the window's marginals -> tokens [R, W], draft_probs [R, W, V] (None if T=0)."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Independent drafts from the window's marginals -> tokens [R, W] and the logits they were drawn from
+    (mask token forbidden) [R, W, V], which the verification test must use."""
     logits = forbid_token(window_logits, mask_id)
     flat = logits.reshape(-1, logits.shape[-1])
     tokens = sample_from_logits(flat, temperature, generator).reshape(logits.shape[:2])
-    return tokens, (None if temperature == 0 else softmax(logits, temperature))
+    return tokens, logits
 
 
 def _build_copies(

@@ -1,0 +1,238 @@
+"""Speculative verification: the rule over probabilities, its logits form, and the logits dispatcher.
+
+Rule (Leviathan et al. 2023; Chen et al. 2023), per row b with ``n_b`` valid drafts:
+accept draft j with probability min(1, target(d_j) / draft(d_j)) while every earlier draft was accepted;
+at the first rejection emit a correction drawn from normalize(max(0, target_j - draft_j)); if all n_b
+drafts are accepted and the row has a bonus, emit a token drawn from target row n_b. Point-mass drafts
+(``draft_probs=None``: n-gram lookup, or any deterministic proposal) are the special case
+draft = one-hot(d_j): accept with probability target(d_j) and correct from target with d_j removed.
+Greedy mode accepts while the draft equals the target argmax and corrects (or adds the bonus) with the
+argmax. The emitted tokens are then distributed exactly as sequential sampling from the targets.
+
+Numerics (see also ``dllm.numerics``):
+- the test is ``u * draft(d) < target(d)`` in float64 with u ~ U[0, 1) in float64: no division, so a
+  tiny draft probability cannot overflow the ratio;
+- a draft probability of 0 is a rejection (such a draft cannot have been sampled from the proposal, so
+  accepting it would bias the output);
+- if the residual max(0, target - draft) has no mass (target == draft up to rounding, where rejection
+  has probability ~0), the correction is drawn from the target row itself.
+
+Layout of ``target_probs`` [B, K or K + 1, V]: row j < n_b is the target for draft j; row n_b is the
+bonus row of row b (so ragged rows keep their bonus at index n_b, not K). With K + 1 rows every row has
+a bonus unless ``has_bonus`` says otherwise; with K rows no row has one.
+
+``verify_probs`` is the one definition of the rule. ``verify_logits_reference`` applies it to
+softmax(logits / T) (float32, ``dllm.numerics.softmax``); the fused Triton kernel in
+``verify_triton.py`` computes the same from logits without materialising probabilities, and
+``verify_logits`` dispatches between them.
+
+Noise, for the logits functions: explicit ``uniforms`` [B, K] / ``gumbels`` [B, V] (float64) win; else
+``seed`` derives them from a counter-based generator (``dllm.kernels.noise``: acceptance uniform (b, j)
+and Gumbel (b, v) are pure functions of (seed, b, j or v)), so reference and kernel replay each other;
+else the reference draws from ``generator`` exactly as ``verify_probs`` does, and the kernel draws one
+seed from it (same law, different stream).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from dllm.numerics import gumbel, softmax, uniform
+
+from .dispatch import use_triton
+from .noise import STREAM_ACCEPT, STREAM_RESIDUAL, counter_gumbels, counter_uniforms
+
+# rows [R] -> float64 Gumbel noise [R, V] for the correction/bonus draw of those batch rows
+GumbelSource = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """Emitted tokens of one verification round."""
+
+    tokens: torch.Tensor  # [B, K + 1] accepted drafts, then the correction/bonus; -1 after the last
+    num_emitted: torch.Tensor  # [B] tokens emitted (accepted + 1 when a correction/bonus was drawn)
+    num_accepted: torch.Tensor  # [B] accepted drafts
+
+
+def verify_probs(
+    draft_tokens: torch.Tensor,  # [B, K]
+    draft_probs: torch.Tensor | None,  # [B, K, V], or None for point-mass drafts
+    target_probs: torch.Tensor,  # [B, K or K + 1, V]; in greedy mode any scores with the same argmax
+    num_drafts: torch.Tensor | None = None,  # [B] valid drafts per row (default K)
+    *,
+    has_bonus: torch.Tensor | None = None,  # [B] bool; default: True iff target has K + 1 rows
+    generator: torch.Generator | None = None,
+    uniforms: torch.Tensor | None = None,  # [B, K] float64, explicit acceptance noise
+    gumbels: torch.Tensor | None = None,  # [B, V] float64, explicit noise for correction/bonus sampling
+    greedy: bool = False,
+) -> VerifyResult:
+    """Accept/reject a ragged batch of drafts against target distributions; see the module docstring."""
+    if not greedy and uniforms is None:
+        uniforms = uniform(need_generator(generator), tuple(draft_tokens.shape), draft_tokens.device)
+    if gumbels is not None:
+        noise: GumbelSource = lambda rows: gumbels[rows]
+    else:
+        vocab = target_probs.shape[-1]
+        noise = lambda rows: gumbel(need_generator(generator), (rows.numel(), vocab), target_probs.device)
+    return _verify(draft_tokens, draft_probs, target_probs, num_drafts, has_bonus, uniforms, noise, greedy)
+
+
+def verify_logits_reference(
+    draft_tokens: torch.Tensor,  # [B, K]
+    draft_logits: torch.Tensor | None,  # [B, K, V], or None for point-mass drafts
+    target_logits: torch.Tensor,  # [B, K or K + 1, V]
+    num_drafts: torch.Tensor | None = None,  # [B] valid drafts per row (default K)
+    *,
+    temperature: float,  # 0: greedy
+    has_bonus: torch.Tensor | None = None,  # [B] bool; default: True iff target has K + 1 rows
+    generator: torch.Generator | None = None,
+    uniforms: torch.Tensor | None = None,  # [B, K] float64
+    gumbels: torch.Tensor | None = None,  # [B, V] float64
+    seed: int | None = None,  # counter-based noise where uniforms/gumbels are not given
+) -> VerifyResult:
+    """``verify_probs`` on softmax(logits / T) in float32; T = 0 is greedy on the logits."""
+    check_temperature(temperature)
+    if temperature == 0:
+        return verify_probs(draft_tokens, None, target_logits, num_drafts, has_bonus=has_bonus, greedy=True)
+    draft_probs = None if draft_logits is None else softmax(draft_logits, temperature)
+    target_probs = softmax(target_logits, temperature)
+    if seed is None:
+        return verify_probs(draft_tokens, draft_probs, target_probs, num_drafts, has_bonus=has_bonus,
+                            generator=generator, uniforms=uniforms, gumbels=gumbels)
+    batch, width = draft_tokens.shape
+    if uniforms is None:
+        uniforms = counter_uniforms(seed, STREAM_ACCEPT, torch.arange(batch, device=draft_tokens.device), width)
+    if gumbels is not None:
+        noise: GumbelSource = lambda rows: gumbels[rows]
+    else:
+        noise = lambda rows: counter_gumbels(seed, STREAM_RESIDUAL, rows, target_logits.shape[-1])
+    return _verify(draft_tokens, draft_probs, target_probs, num_drafts, has_bonus, uniforms, noise, False)
+
+
+def verify_logits(
+    draft_tokens: torch.Tensor,  # [B, K]
+    draft_logits: torch.Tensor | None,  # [B, K, V], or None for point-mass drafts
+    target_logits: torch.Tensor,  # [B, K or K + 1, V]
+    num_drafts: torch.Tensor | None = None,  # [B]
+    *,
+    temperature: float,
+    has_bonus: torch.Tensor | None = None,  # [B] bool
+    generator: torch.Generator | None = None,
+    uniforms: torch.Tensor | None = None,  # [B, K] float64
+    gumbels: torch.Tensor | None = None,  # [B, V] float64
+    seed: int | None = None,
+) -> VerifyResult:
+    """Dispatcher: the fused Triton kernel for CUDA tensors when Triton is installed, else the reference."""
+    implementation = verify_logits_reference
+    if use_triton(target_logits):
+        from .verify_triton import verify_logits_triton
+
+        implementation = verify_logits_triton
+    return implementation(draft_tokens, draft_logits, target_logits, num_drafts, temperature=temperature,
+                          has_bonus=has_bonus, generator=generator, uniforms=uniforms, gumbels=gumbels, seed=seed)
+
+
+def _verify(
+    draft_tokens: torch.Tensor,  # [B, K]
+    draft_probs: torch.Tensor | None,  # [B, K, V]
+    target_probs: torch.Tensor,  # [B, K or K + 1, V]
+    num_drafts: torch.Tensor | None,  # [B]
+    has_bonus: torch.Tensor | None,  # [B]
+    uniforms: torch.Tensor | None,  # [B, K] float64 (unused when greedy)
+    noise: GumbelSource,
+    greedy: bool,
+) -> VerifyResult:
+    """The rule itself, with the correction/bonus noise supplied per row by ``noise``."""
+    batch, width = draft_tokens.shape
+    device = draft_tokens.device
+    num_drafts, has_bonus = normalise_counts(draft_tokens, target_probs, num_drafts, has_bonus)
+    valid = torch.arange(width, device=device) < num_drafts[:, None]  # [B, K]
+    safe_drafts = draft_tokens.clamp(min=0)
+
+    if greedy:
+        accept = valid & (safe_drafts == target_probs[:, :width].argmax(-1))
+    else:
+        target_at_draft = target_probs[:, :width].gather(-1, safe_drafts[..., None]).squeeze(-1).double()
+        if draft_probs is None:
+            draft_at_draft = torch.ones_like(target_at_draft)
+        else:
+            draft_at_draft = draft_probs.gather(-1, safe_drafts[..., None]).squeeze(-1).double()
+        accept = valid & (draft_at_draft > 0) & (uniforms * draft_at_draft < target_at_draft)
+
+    num_accepted = accept.long().cumprod(dim=1).sum(dim=1)  # [B]
+    rejected = num_accepted < num_drafts
+    extra = rejected | has_bonus  # rows that draw a correction or a bonus token
+
+    tokens = torch.full((batch, width + 1), -1, dtype=torch.long, device=device)
+    kept = torch.arange(width, device=device) < num_accepted[:, None]
+    tokens[:, :width] = torch.where(kept, draft_tokens, tokens[:, :width])
+    rows = extra.nonzero().squeeze(-1)
+    if rows.numel():
+        at = num_accepted[rows]
+        tokens[rows, at] = _draw_extra(
+            target_probs[rows, at], draft_probs, draft_tokens, rows, at, rejected[rows], noise, greedy
+        )
+    return VerifyResult(tokens=tokens, num_emitted=num_accepted + extra.long(), num_accepted=num_accepted)
+
+
+def _draw_extra(
+    target_row: torch.Tensor,  # [R, V]
+    draft_probs: torch.Tensor | None,
+    draft_tokens: torch.Tensor,
+    rows: torch.Tensor,  # [R]
+    at: torch.Tensor,  # [R] window index of the rejection (or of the bonus row)
+    rejected: torch.Tensor,  # [R] bool: correction (True) or bonus (False)
+    noise: GumbelSource,
+    greedy: bool,
+) -> torch.Tensor:
+    """The correction token (residual distribution) or bonus token (target row) per row -> [R]."""
+    if greedy:
+        return target_row.argmax(-1)
+    weights = target_row.float()
+    if rejected.any():
+        if draft_probs is None:
+            draft_row = torch.zeros_like(weights)
+            drafted = draft_tokens[rows, at.clamp(max=draft_tokens.shape[1] - 1)]
+            draft_row.scatter_(-1, drafted.clamp(min=0)[:, None], 1.0)
+        else:
+            draft_row = draft_probs[rows, at.clamp(max=draft_probs.shape[1] - 1)].float()
+        residual = (weights - draft_row).clamp(min=0)
+        # Zero residual mass: target == draft up to rounding; fall back to the target (documented above).
+        use_residual = rejected & (residual.sum(-1) > 0)
+        weights = torch.where(use_residual[:, None], residual, weights)
+    return (torch.log(weights.double()) + noise(rows)).argmax(-1)
+
+
+def normalise_counts(
+    draft_tokens: torch.Tensor,  # [B, K]
+    target: torch.Tensor,  # [B, K or K + 1, V]
+    num_drafts: torch.Tensor | None,
+    has_bonus: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Default and check ``num_drafts`` [B] (long) and ``has_bonus`` [B] (bool) against the tensor shapes."""
+    batch, width = draft_tokens.shape
+    rows_given = target.shape[1]
+    if rows_given not in (width, width + 1):
+        raise ValueError(f"target must have K={width} or K+1 rows per batch row, got {rows_given}")
+    if num_drafts is None:
+        num_drafts = torch.full((batch,), width, dtype=torch.long, device=draft_tokens.device)
+    if has_bonus is None:
+        has_bonus = torch.full((batch,), rows_given == width + 1, dtype=torch.bool, device=draft_tokens.device)
+    if rows_given == width and bool((has_bonus & (num_drafts == width)).any()):
+        raise ValueError("has_bonus needs a bonus row: pass target_probs with K+1 rows")
+    return num_drafts.long(), has_bonus.bool()
+
+
+def check_temperature(temperature: float) -> None:
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+
+
+def need_generator(generator: torch.Generator | None) -> torch.Generator:
+    if generator is None:
+        raise ValueError("verify needs a torch.Generator (generator=) or explicit noise (uniforms=, gumbels=)")
+    return generator
