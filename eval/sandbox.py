@@ -47,7 +47,9 @@ __all__ = ["Isolation", "Limits", "SandboxResult", "run_many", "run_program"]
 logger = logging.getLogger(__name__)
 
 LAUNCHER = Path(__file__).with_name("_sandbox_launcher.py")
-PYTHON = sys.executable  # the interpreter that runs programs (the launcher always uses sys.executable)
+# The interpreter that runs programs: the real binary, not a virtual environment's link to it, because a
+# venv under /tmp would be hidden by the program's private /tmp (the launcher itself uses sys.executable).
+PYTHON = os.path.realpath(sys.executable)
 TAIL_BYTES = 4096
 _KILLED_FOR_CPU = 128 + signal.SIGXCPU
 _warned_isolation: set[str] = set()
