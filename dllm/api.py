@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from dllm.numerics import RowGenerators
 from dllm.protocols import accepts_attention_mask, is_causal_model, is_diffusion_model
 from dllm.samplers import SAMPLERS, SamplerSpec
 from dllm.stats import DecodeStats
@@ -36,7 +37,7 @@ def generate(
     sampler: str = "fef",
     max_new_tokens: int = 64,
     temperature: float = 1.0,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | Sequence[torch.Generator] | None = None,
     attention_mask: torch.Tensor | None = None,
     eos_token_id: int | Sequence[int] | None | str = "model",
     **options: Any,
@@ -46,7 +47,8 @@ def generate(
     ``model`` follows ``dllm.DiffusionModel`` (masked-diffusion samplers) or ``dllm.CausalModel``
     (``ar``, ``ar_spec``). ``temperature`` 0 is greedy. Sampler options are listed in
     ``dllm.samplers.SAMPLERS`` (e.g. ``window``, ``order``, ``block_length`` for fef). Without a
-    ``generator`` a fresh one is seeded from the OS and its seed returned in ``GenerateOutput.seed``.
+    ``generator`` a fresh one is seeded from the OS and its seed returned in ``GenerateOutput.seed``. A
+    list of generators, one per row, makes each row's sample independent of the rest of the batch.
     ``attention_mask`` [B, P] (1 = token, 0 = left padding) allows ragged prompts for models that accept
     it. Rows stop at ``eos_token_id``: one id or several (default: the model's ``stop_token_ids`` or
     ``eos_token_id`` attribute, if any; None disables); tokens after a row's first stop token are
@@ -61,8 +63,14 @@ def generate(
     if generator is None:
         seed = secrets.randbits(63)
         generator = torch.Generator(device=input_ids.device).manual_seed(seed)
+    elif isinstance(generator, list | tuple):
+        if len(generator) != input_ids.shape[0] or not all(isinstance(g, torch.Generator) for g in generator):
+            raise TypeError(f"generator as a sequence must hold one torch.Generator per row "
+                            f"({input_ids.shape[0]}), got {len(generator)} items")
+        generator = RowGenerators(generator)
     elif not isinstance(generator, torch.Generator):
-        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+        raise TypeError(f"generator must be a torch.Generator, a list of them (one per row) or None, "
+                        f"got {type(generator).__name__}")
     attention_mask = _check_attention_mask(attention_mask, input_ids, model)
     stop_ids = _stop_ids(model, eos_token_id)
     resolved = spec.resolve(options, model=model, max_new_tokens=max_new_tokens)

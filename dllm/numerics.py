@@ -10,10 +10,13 @@
   so two samplers that see the same logits pick the same token.
 - Never a [B, L, V] float64 tensor at real vocabulary sizes: noise is drawn in row chunks of at most
   ``NOISE_CHUNK_ELEMENTS`` entries.
-- Every random draw takes an explicit ``torch.Generator``; there is no global RNG in sampling code.
+- Every random draw takes an explicit ``torch.Generator`` (or ``RowGenerators``, one per batch row);
+  there is no global RNG in sampling code.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -28,8 +31,47 @@ def softmax(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     return torch.softmax(scores, dim=-1)
 
 
-def uniform(generator: torch.Generator, shape: tuple[int, ...], device: torch.device | str) -> torch.Tensor:
+class RowGenerators:
+    """One torch.Generator per batch row, so a row's noise never depends on the rest of the batch.
+
+    Samplers ``bind`` it to the batch row of every leading index of the next draw (``rows`` [N]); each
+    index then draws its share from its own row's generator. Binding composes: ``bind(i)`` of a bound
+    object picks ``rows[i]``.
+    """
+
+    def __init__(self, generators: Sequence[torch.Generator], rows: torch.Tensor | None = None):
+        self.generators = list(generators)
+        self.rows = torch.arange(len(self.generators)) if rows is None else rows.detach().cpu().long()
+
+    @property
+    def device(self) -> torch.device:
+        return self.generators[0].device
+
+    def bind(self, index: torch.Tensor) -> RowGenerators:
+        return RowGenerators(self.generators, self.rows[index.detach().cpu().long()])
+
+    def rand(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """float64 uniforms [N, *shape[1:]]: index i drawn from the generator of row ``rows[i]``."""
+        if shape[0] != len(self.rows):
+            raise ValueError(f"RowGenerators bound to {len(self.rows)} rows cannot draw shape {shape}")
+        if not len(self.rows):
+            return torch.empty(shape, dtype=torch.float64, device=self.device)
+        return torch.stack([torch.rand(shape[1:], generator=self.generators[int(r)], dtype=torch.float64,
+                                       device=self.device) for r in self.rows])
+
+
+Generator = torch.Generator | RowGenerators
+
+
+def bind_rows(generator: Generator, rows: torch.Tensor) -> Generator:
+    """``generator`` restricted to draws whose leading index i belongs to batch row ``rows[i]``."""
+    return generator.bind(rows) if isinstance(generator, RowGenerators) else generator
+
+
+def uniform(generator: Generator, shape: tuple[int, ...], device: torch.device | str) -> torch.Tensor:
     """float64 uniforms in [0, 1) drawn from ``generator`` and moved to ``device``."""
+    if isinstance(generator, RowGenerators):
+        return generator.rand(shape).to(device)
     noise = torch.rand(shape, generator=generator, dtype=torch.float64, device=generator.device)
     return noise.to(device)
 
@@ -49,7 +91,8 @@ def gumbel_argmax(log_weights: torch.Tensor, generator: torch.Generator) -> torc
     out = torch.empty(n, dtype=torch.long, device=log_weights.device)
     for start in range(0, n, chunk):
         rows = log_weights[start : start + chunk].double()
-        out[start : start + chunk] = (rows + gumbel(generator, tuple(rows.shape), rows.device)).argmax(-1)
+        part = bind_rows(generator, torch.arange(start, start + rows.shape[0]))
+        out[start : start + chunk] = (rows + gumbel(part, tuple(rows.shape), rows.device)).argmax(-1)
     return out
 
 

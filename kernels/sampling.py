@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dllm.numerics import sample_from_logits
+from dllm.numerics import RowGenerators, sample_from_logits
 
 from .dispatch import use_triton
 from .noise import STREAM_SAMPLE, counter_gumbel_argmax
@@ -66,7 +66,7 @@ def sample_confidence(
 ) -> SampleConfidence:
     """Dispatcher: the fused Triton kernel for CUDA tensors when Triton is installed, else the reference."""
     implementation = sample_confidence_reference
-    if use_triton(logits):
+    if use_triton(logits) and not isinstance(generator, RowGenerators):
         from .sampling_triton import sample_confidence_triton
 
         implementation = sample_confidence_triton

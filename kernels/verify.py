@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dllm.numerics import gumbel, softmax, uniform
+from dllm.numerics import RowGenerators, bind_rows, gumbel, softmax, uniform
 
 from .dispatch import use_triton
 from .noise import STREAM_ACCEPT, STREAM_RESIDUAL, counter_gumbels, counter_uniforms
@@ -77,7 +77,8 @@ def verify_probs(
         noise: GumbelSource = lambda rows: gumbels[rows]
     else:
         vocab = target_probs.shape[-1]
-        noise = lambda rows: gumbel(need_generator(generator), (rows.numel(), vocab), target_probs.device)
+        noise = lambda rows: gumbel(bind_rows(need_generator(generator), rows), (rows.numel(), vocab),
+                                    target_probs.device)
     return _verify(draft_tokens, draft_probs, target_probs, num_drafts, has_bonus, uniforms, noise, greedy)
 
 
@@ -128,7 +129,7 @@ def verify_logits(
 ) -> VerifyResult:
     """Dispatcher: the fused Triton kernel for CUDA tensors when Triton is installed, else the reference."""
     implementation = verify_logits_reference
-    if use_triton(target_logits):
+    if use_triton(target_logits) and not isinstance(generator, RowGenerators):
         from .verify_triton import verify_logits_triton
 
         implementation = verify_logits_triton

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from dllm.kernels import verify_logits
-from dllm.numerics import forbid_token, sample_from_logits
+from dllm.numerics import bind_rows, forbid_token, sample_from_logits
 from dllm.protocols import has_cache, is_diffusion_model
 from dllm.stats import DecodeStats
 
@@ -43,7 +43,7 @@ def ar(
             start = kv.length
             logits = caller.cached(seq[rows, start:end], kv, rows, served=len(rows), keys=slice(0, end),
                                    append=True)[:, -1]
-        token = sample_from_logits(logits, temperature, generator)
+        token = sample_from_logits(logits, temperature, bind_rows(generator, rows))
         seq[rows, end] = token
         stats.count_round(torch.ones_like(token))
         if callback is not None:
@@ -80,7 +80,7 @@ def ar_spec(
         )
         target = _target_rows(caller, kv, seq[rows], rows, length, drafts)  # [R, K + 1, V]
         outcome = verify_logits(drafts, draft_logits, target, num_drafts, temperature=temperature,
-                                generator=generator)
+                                generator=bind_rows(generator, rows))
         stats.count_verification(num_drafts, outcome.num_accepted, outcome.num_emitted)
         emitted, stopped = _cut_at_eos(outcome.tokens, outcome.num_emitted, eos_token_id)
         offsets = torch.arange(outcome.tokens.shape[1], device=seq.device)
@@ -167,7 +167,8 @@ def _draft(drafter, caller, seq, rows, length, num_drafts, width, temperature, g
     if is_diffusion_model(drafter):
         logits = _diffusion_draft_logits(drafter, caller, seq, rows, length, width)
         flat = logits.reshape(-1, logits.shape[-1])
-        drafts = sample_from_logits(flat, temperature, generator).reshape(logits.shape[:2])
+        flat_rows = rows.repeat_interleave(logits.shape[1])
+        drafts = sample_from_logits(flat, temperature, bind_rows(generator, flat_rows)).reshape(logits.shape[:2])
         return drafts, logits, num_drafts
     drafts, logits = _causal_drafts(caller, seq, rows, length, width, temperature, generator)
     return drafts, logits, num_drafts
@@ -192,7 +193,7 @@ def _causal_drafts(caller, seq, rows, length, width, temperature, generator):
     for j in range(width):
         extended = _append(seq, length, drafts[:, :j])
         logits = caller(extended, rows, served=len(rows))[index, length + j - 1]
-        drafts[:, j] = sample_from_logits(logits, temperature, generator)
+        drafts[:, j] = sample_from_logits(logits, temperature, bind_rows(generator, rows))
         steps.append(logits)
     return drafts, torch.stack(steps, dim=1)
 

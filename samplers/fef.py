@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from dllm.kernels import verify_logits
-from dllm.numerics import forbid_token, sample_from_logits
+from dllm.numerics import bind_rows, forbid_token, sample_from_logits
 from dllm.stats import DecodeStats
 
 from .canvas import View
@@ -75,7 +75,8 @@ class FefStepper:
         rows = torch.arange(view.x.shape[0], device=view.x.device)
         draft_logits = view.call(view.x, rows) if fresh else self.stale[view.rows]
         one_round = structured_round if self.verifier == "structured" else fef_round
-        result = one_round(view, draft_logits, fresh, self.temperature, self.generator, self.stats,
+        generator = bind_rows(self.generator, view.rows)  # every draw below is per view row
+        result = one_round(view, draft_logits, fresh, self.temperature, generator, self.stats,
                            order=self.order, window=self.window)
         if self.draft == "stale":
             if self.stale is None:
@@ -186,7 +187,8 @@ def _draft(
     (mask token forbidden) [R, W, V], which the verification test must use."""
     logits = forbid_token(window_logits, mask_id)
     flat = logits.reshape(-1, logits.shape[-1])
-    tokens = sample_from_logits(flat, temperature, generator).reshape(logits.shape[:2])
+    rows = torch.arange(logits.shape[0], device=logits.device).repeat_interleave(logits.shape[1])
+    tokens = sample_from_logits(flat, temperature, bind_rows(generator, rows)).reshape(logits.shape[:2])
     return tokens, logits
 
 

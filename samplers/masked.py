@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from dllm.kernels import sample_confidence
-from dllm.numerics import forbid_token, gumbel, uniform
+from dllm.numerics import bind_rows, forbid_token, gumbel, uniform
 from dllm.stats import DecodeStats
 
 from .canvas import View
@@ -50,7 +50,12 @@ class _Stepper:
         """Sample a token and its confidences at every candidate position (only there)."""
         where = view.candidates(view.x).nonzero(as_tuple=True)
         temperature = self.temperature if temperature is None else temperature
-        return where, sample_confidence(forbid_token(logits[where], view.mask_token_id), temperature, self.generator)
+        return where, sample_confidence(forbid_token(logits[where], view.mask_token_id), temperature,
+                                        self._rng(view, where[0]))
+
+    def _rng(self, view: View, index: torch.Tensor):
+        """The generator bound to the batch rows of ``index`` (positions into the view's rows)."""
+        return bind_rows(self.generator, view.rows[index])
 
     def _reveal(self, view: View, where, tokens, chosen: torch.Tensor, name: str) -> tuple[torch.Tensor, dict]:
         """The view's tokens with the proposals written at the chosen positions; counts the step."""
@@ -74,7 +79,7 @@ class LladaStepper(_Stepper):
     def step(self, view: View) -> tuple[torch.Tensor, dict]:
         where, proposal = self._propose(view, _guided_logits(view, self.cfg_scale))
         if self.remasking == "random":
-            score = uniform(self.generator, (len(where[0]),), view.x.device)
+            score = uniform(self._rng(view, where[0]), (len(where[0]),), view.x.device)
         else:
             score = proposal.token_prob.double()
         schedule = _transfer_schedule(self.block_length, self.steps_per_block)
@@ -105,13 +110,14 @@ class DreamStepper(_Stepper):
         if self.alg == "origin":
             chosen = candidates.clone()
             if not last:
-                chosen[where] = uniform(self.generator, (len(where[0]),), view.x.device) < fraction
+                chosen[where] = uniform(self._rng(view, where[0]), (len(where[0]),), view.x.device) < fraction
         else:
             score = {"maskgit_plus": proposal.token_prob, "topk_margin": proposal.margin,
                      "entropy": -proposal.entropy}[self.alg].double()
             counts = candidates.sum(1)
             k = counts if last else (counts.double() * fraction).long()
-            chosen = _top_k(_scatter(score, where, view.x.shape), k, self.alg_temp, self.generator)
+            rows = torch.arange(view.x.shape[0], device=view.x.device)
+            chosen = _top_k(_scatter(score, where, view.x.shape), k, self.alg_temp, self._rng(view, rows))
         return self._reveal(view, where, proposal.tokens, chosen, "dream")
 
 

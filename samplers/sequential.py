@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dllm.numerics import forbid_token, sample_from_logits
+from dllm.numerics import bind_rows, forbid_token, sample_from_logits
 from dllm.stats import DecodeStats
 
 from .canvas import Canvas, View, block_candidates
@@ -35,7 +35,7 @@ class SequentialStepper:
         position = pick_next(self.order, logits, view.candidates(view.x), view.mask_token_id)  # [R]
         chosen = forbid_token(logits[which, position], view.mask_token_id)  # [R, V]
         x = view.x.clone()
-        x[which, position] = sample_from_logits(chosen, self.temperature, self.generator)
+        x[which, position] = sample_from_logits(chosen, self.temperature, bind_rows(self.generator, view.rows))
         self.stats.count_round(torch.ones_like(position))
         return x, {"sampler": "sequential", "revealed": position[:, None] + view.offset}
 

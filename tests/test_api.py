@@ -143,3 +143,24 @@ def test_model_returning_wrong_shape_is_reported():
 def test_protocols_are_runtime_checkable():
     assert isinstance(ORACLE, dllm.DiffusionModel)
     assert isinstance(ORACLE.as_causal(), dllm.CausalModel)
+
+
+@pytest.mark.parametrize("sampler,options", [
+    ("fef", {"window": 3}), ("fef", {"draft": "stale", "order": "confidence", "block_length": 4}),
+    ("sequential", {}), ("llada", {"steps": 4}), ("dream", {"alg": "origin"}), ("dream", {"alg_temp": 0.5}),
+    ("fast_dllm", {"threshold": 0.5}), ("eb", {}), ("ar", {}), ("ar_spec", {}),
+    ("ar_spec", {"drafter": ORACLE.perturbed()}), ("ar_spec", {"drafter": ORACLE.perturbed().as_causal()}),
+])
+def test_per_row_generators_make_rows_batch_invariant(sampler, options):
+    """With one generator per row, a row's sample does not depend on what else is in the batch."""
+    model = model_for(sampler)
+    rows = torch.tensor([[0, 1, 2], [3, 3, 4], [2, 2, 1]])
+    seeds = [11, 22, 33]
+    batch = dllm.generate(model, rows, sampler=sampler, max_new_tokens=8, **options,
+                          generator=[torch.Generator().manual_seed(s) for s in seeds])
+    for i in (0, 2):
+        alone = dllm.generate(model, rows[i : i + 1], sampler=sampler, max_new_tokens=8, **options,
+                              generator=[torch.Generator().manual_seed(seeds[i])])
+        assert torch.equal(batch.sequences[i], alone.sequences[0]), (sampler, i)
+    with pytest.raises(TypeError, match="one torch.Generator per row"):
+        dllm.generate(model, rows, sampler=sampler, max_new_tokens=8, generator=[torch.Generator()])
