@@ -227,12 +227,16 @@ class PrefixCacheSession:
 
     def begin_block(self, block: int) -> None:
         self.block = block
-        start, _ = self.canvas.span(block)
+        self.cache = self._full_cache()
+        self.cache.crop(self.canvas.span(block)[0])
+
+    def _full_cache(self):
+        """A fresh cache filled by one full call over every row's whole sequence."""
         rows = torch.arange(self.canvas.x.shape[0], device=self.canvas.x.device)
-        self.cache = self.caller.model.new_cache()
+        cache = self.caller.model.new_cache()
         length = self.canvas.x.shape[1]
-        self.caller.cached(self.canvas.x, self.cache, rows, served=len(rows), keys=slice(0, length), append=True)
-        self.cache.crop(start)
+        self.caller.cached(self.canvas.x, cache, rows, served=len(rows), keys=slice(0, length), append=True)
+        return cache
 
     def view(self, rows: torch.Tensor) -> View:
         start, end = self.canvas.span(self.block)
@@ -252,12 +256,7 @@ class DualCacheSession(PrefixCacheSession):
 
     def begin_block(self, block: int) -> None:
         self.block = block
-        start, end = self.canvas.span(block)
-        rows = torch.arange(self.canvas.x.shape[0], device=self.canvas.x.device)
-        self.cache = self.caller.model.new_cache()
-        length = self.canvas.x.shape[1]
-        self.caller.cached(self.canvas.x, self.cache, rows, served=len(rows), keys=slice(0, length), append=True)
-        self.cache = self.cache.drop(start, end)
+        self.cache = self._full_cache().drop(*self.canvas.span(block))
 
     def view(self, rows: torch.Tensor) -> View:
         start, end = self.canvas.span(self.block)
