@@ -54,3 +54,19 @@ __all__ = [
     "score_math",
     "truncate_at_stop",
 ]
+
+# The runner (`dllm eval TASK`) and its results reader (`dllm eval report`), imported on first use:
+# importing them here would make `python -m dllm.eval.runner` (torchrun's entry) load the module twice.
+# The lm-eval plugin (dllm.eval.lm_eval_plugin) is never imported here: lm-eval is optional.
+_LAZY = {"EvalConfig": ("runner", "EvalConfig"), "EvalError": ("runner", "EvalError"), "run_eval": ("runner", "run"),
+         "load_samples": ("report", "load_samples"), "summarize_folder": ("report", "summarize_folder")}
+__all__ += list(_LAZY)
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    module, attribute = _LAZY[name]
+    return getattr(importlib.import_module(f"{__name__}.{module}"), attribute)

@@ -1,0 +1,592 @@
+"""`dllm eval TASK`: decode a benchmark with any model and sampler, score it, and keep resumable results.
+
+    dllm eval gsm8k --model PATH --sampler fef --option window=4 --limit 100 --output runs/gsm8k-fef
+    torchrun --nproc_per_node 8 -m dllm.eval.runner gsm8k ...        # the same run, sharded over 8 ranks
+    dllm eval report runs/gsm8k-fef runs/gsm8k-llada                  # compare runs (dllm.eval.report)
+
+Output folder (formats in dllm.eval.report):
+- `run.json`: the run's identity (task and its options, model, sampler and resolved options, decoding
+  settings, seed) and one record per attempt (batch size, device, dtype, versions, git commit). A rerun
+  into the folder must have the same identity; `--limit`, `--batch-size` and `--device` may change.
+- `samples.jsonl`: one line per (problem, sample): id, sample, prompt, completion, the task's score
+  dict (correct, answer, strict, ...), new_tokens, and `batch` (id, rows, seed, exact, its DecodeStats).
+  Lines are written a whole batch at a time, then flushed and fsynced; on startup a trailing partial
+  line or batch is cut off, so a kill loses at most the batch in flight and never duplicates a row.
+- `summary.json`: recomputed from samples.jsonl at the end of every run.
+
+Batches and seeds: work items (problem, sample) are cut into batches in benchmark order, the same way
+for any number of ranks. Each batch is decoded by one `generate` call with its own generator, seeded
+from (--seed, the first item's problem id and sample index). So with the same --batch-size a run gives
+the same completions at any temperature whether it is resumed or sharded; at temperature 0 batching
+does not matter at all (generate is batch-invariant there); at T > 0 a sample depends on its batch
+mates (one generator serves the batch), and with --batch-size 1 only on (seed, problem id, sample).
+
+Sharding (torchrun / accelerate launch, RANK and WORLD_SIZE set): batch b goes to rank b % WORLD_SIZE
+(with --batch-size 1 that is problem i on rank i % WORLD_SIZE). Each rank appends to its own
+`shard-RANK.jsonl`; after a gloo barrier rank 0 merges the shards into samples.jsonl and writes the
+summary. The output folder must be shared by all ranks (one machine, or a shared file system).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import os
+import platform
+import secrets
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import dllm
+from dllm.api import answer_lengths
+from dllm.eval.answers import truncate_at_stop
+from dllm.eval.report import RUN_FILE, SAMPLES_FILE, SUMMARY_FILE, load_samples, parse_samples, summarize_folder
+from dllm.eval.tasks import TASKS, get_task
+from dllm.models.chat import has_chat_template
+from dllm.models.loading import KINDS
+from dllm.protocols import is_causal_model
+from dllm.samplers import SAMPLERS
+
+__all__ = ["EvalConfig", "EvalError", "batch_seed", "default_model", "left_pad", "main", "model_device", "parse_value",
+           "run"]
+
+PACKAGE_DIR = Path(dllm.__file__).resolve().parent
+DIST_TIMEOUT = datetime.timedelta(hours=24)  # ranks wait at the final barrier for the slowest one
+NOT_IDENTITY = ("limit", "batch_size", "device", "output", "progress")  # may change when resuming
+
+
+class EvalError(Exception):
+    """A problem with the command or the output folder, reported to the user without a traceback."""
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Everything one `dllm eval TASK` run needs (the command line's flags)."""
+
+    task: str
+    model: str | None = None  # None: the shipped default for the sampler's model kind
+    kind: str = "auto"
+    dtype: str | None = None
+    device: str | None = None  # None: cuda:LOCAL_RANK when CUDA is available, else CPU
+    sampler: str = "fef"
+    options: dict[str, Any] = field(default_factory=dict)
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    limit: int | None = None
+    batch_size: int = 8
+    seed: int = 0
+    output: str = "eval_results"
+    num_fewshot: int | None = None
+    chat: bool = False
+    data_file: str | None = None
+    subset: str | None = None
+    num_samples: int = 1
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise EvalError(f"unknown task {self.task!r}; choose one of {sorted(TASKS)}")
+        if self.sampler not in SAMPLERS:
+            raise EvalError(f"unknown sampler {self.sampler!r}; choose one of {sorted(SAMPLERS)}")
+        for name in ("max_new_tokens", "batch_size", "num_samples", "limit"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise EvalError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if self.temperature < 0:
+            raise EvalError(f"--temperature must be >= 0 (0 is greedy), got {self.temperature}")
+
+    def task_options(self) -> dict[str, Any]:
+        """The task constructor's keywords that were set on the command line."""
+        given = {"num_fewshot": self.num_fewshot, "subset": self.subset, "data_file": self.data_file,
+                 "chat": self.chat or None}
+        return {k: v for k, v in given.items() if v is not None}
+
+
+# ------------------------------------------------------------------ command line
+
+
+def parse_value(text: str) -> Any:
+    """An option value from the command line: int, float, bool, None, else the string itself."""
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return {"none": None, "null": None, "true": True, "false": False}.get(text.lower(), text)
+
+
+def _parse_options(items: Sequence[str]) -> dict[str, Any]:
+    options = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise EvalError(f"--option expects KEY=VALUE, got {item!r}")
+        options[key] = parse_value(value)
+    return options
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dllm eval", description="Evaluate a model and sampler on a benchmark "
+                                "(or `dllm eval report DIR...` to compare runs).")
+    p.add_argument("task", choices=sorted(TASKS))
+    p.add_argument("--model", help="checkpoint folder or hub id (default: the shipped model for the sampler)")
+    p.add_argument("--kind", default="auto", choices=KINDS, help="how dllm.load reads the checkpoint")
+    p.add_argument("--dtype", help="e.g. bfloat16 (default: the checkpoint's)")
+    p.add_argument("--device", help="e.g. cuda:0 or cpu (default: cuda:LOCAL_RANK when available)")
+    p.add_argument("--sampler", default="fef", choices=sorted(SAMPLERS))
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="sampler option, repeatable: --option window=4 --option order=confidence; "
+                        "--option drafter=PATH loads an ar_spec drafter with dllm.load")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--limit", type=int, help="first N problems only")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", help="results folder (default: eval_results/TASK-SAMPLER)")
+    p.add_argument("--num-fewshot", type=int, help="few-shot examples (gsm8k, mbpp)")
+    p.add_argument("--chat", action="store_true", help="zero-shot chat prompts through the tokenizer's template")
+    p.add_argument("--data-file", help="local JSONL/JSON file of the task's problems")
+    p.add_argument("--subset", help="task subset: math 500|full, mbpp full|sanitized")
+    p.add_argument("--num-samples", type=int, default=1, help="samples per problem (pass@k for code tasks)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def config_from_args(argv: Sequence[str]) -> EvalConfig:
+    args = build_parser().parse_args(argv)
+    return EvalConfig(
+        task=args.task, model=args.model, kind=args.kind, dtype=args.dtype, device=args.device,
+        sampler=args.sampler, options=_parse_options(args.option), max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature, limit=args.limit, batch_size=args.batch_size, seed=args.seed,
+        output=args.output or f"eval_results/{args.task}-{args.sampler}", num_fewshot=args.num_fewshot,
+        chat=args.chat, data_file=args.data_file, subset=args.subset, num_samples=args.num_samples,
+        progress=not args.no_progress,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`dllm eval TASK ...` or `dllm eval report DIR [DIR...]`; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["report"]:
+        from dllm.eval.report import main as report_main
+
+        return report_main(argv[1:])
+    try:
+        summary = run(config_from_args(argv))
+    except EvalError as error:
+        print(f"dllm eval: {error}", file=sys.stderr)
+        return 2
+    if summary is not None:
+        _print_summary(summary)
+    return 0
+
+
+def _print_summary(summary: dict) -> None:
+    metrics = ", ".join(f"{k} {v:.4f}" for k, v in summary["metrics"].items())
+    speed, counts = summary["speed"], summary["counts"]
+    print(f"{summary['task']} | {summary['sampler']} | {counts['samples']} samples: {metrics}")
+    print(f"  {speed['tokens_per_second']:.1f} response tokens/s, NFE {speed['nfe']}, "
+          f"{speed['tokens_per_call']:.2f} tokens/call, mean acceptance length "
+          f"{speed['mean_acceptance_length']:.2f}, decode time {speed['wall_time_s']:.1f} s")
+
+
+# ------------------------------------------------------------------ ranks
+
+
+class _Ranks:
+    """This process's rank among RANK/WORLD_SIZE, with a gloo group for barriers and small broadcasts."""
+
+    def __init__(self) -> None:
+        self.rank = int(os.environ.get("RANK", 0))
+        self.world = int(os.environ.get("WORLD_SIZE", 1))
+        self.group, self.owns_group = None, False
+        if self.world > 1:
+            import torch.distributed as dist
+
+            if not dist.is_initialized():
+                dist.init_process_group("gloo", timeout=DIST_TIMEOUT)
+                self.owns_group = True
+                self.group = dist.group.WORLD
+            else:  # e.g. NCCL set up by the caller: barriers go through a CPU group of our own
+                self.group = dist.new_group(backend="gloo", timeout=DIST_TIMEOUT)
+
+    def broadcast(self, value: Any) -> Any:
+        """Rank 0's value on every rank (also a barrier)."""
+        if self.world == 1:
+            return value
+        import torch.distributed as dist
+
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def close(self) -> None:
+        if self.owns_group:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------ the output folder
+
+
+def _append_rows(path: Path, rows: Sequence[dict]) -> None:
+    """Append rows with one write, then flush and fsync, so a kill leaves at most one partial batch."""
+    text = "".join(json.dumps(row, default=str) + "\n" for row in rows)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _repair(path: Path) -> list[dict]:
+    """Cut a trailing partial line or batch off a samples file (in place); its complete rows."""
+    if not path.is_file():
+        return []
+    data = path.read_bytes()
+    rows, end = parse_samples(data)
+    if end < len(data):
+        with open(path, "r+b") as f:
+            f.truncate(end)
+            os.fsync(f.fileno())
+    return rows
+
+
+def _merge_shards(folder: Path) -> None:
+    """Move the whole batches of every shard file into samples.jsonl (skipping batches already there)."""
+    samples = folder / SAMPLES_FILE
+    done = {_key(r) for r in _repair(samples)}
+    for shard in sorted(folder.glob("shard-*.jsonl")):
+        batches: dict[str, list[dict]] = {}
+        for row in _repair(shard):
+            batches.setdefault(row["batch"]["id"], []).append(row)
+        for rows in batches.values():
+            # A crash between appending and deleting the shard leaves batches that are already merged.
+            if not any(_key(r) in done for r in rows):
+                _append_rows(samples, rows)
+                done.update(_key(r) for r in rows)
+        shard.unlink()
+
+
+def _key(row: dict) -> str:
+    return f"{row['id']}#{row['sample']}"
+
+
+def _check_identity(folder: Path, identity: dict, attempt: dict) -> None:
+    """Refuse a folder holding another run; record this attempt in run.json."""
+    path = folder / RUN_FILE
+    identity = json.loads(json.dumps(identity, default=str))  # compare as stored (tuples become lists)
+    run = json.loads(path.read_text()) if path.is_file() else {"identity": identity, "attempts": []}
+    old = run["identity"]
+    # The options as typed are not compared: `--option window=4` and the default window=4 resolve alike.
+    diffs = [f"{k}: {old.get(k)!r} in the folder, {identity.get(k)!r} now"
+             for k in sorted(set(old) | set(identity)) if k != "options" and old.get(k) != identity.get(k)]
+    if diffs:
+        raise EvalError(f"{folder} holds a different run ({'; '.join(diffs)}); "
+                        "use another --output or remove the folder")
+    run["attempts"].append(attempt)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(run, indent=2, default=str) + "\n")
+    os.replace(tmp, path)  # atomic: run.json is never half-written
+
+
+def _prepare_folder(folder: Path, identity: dict, attempt: dict) -> str | None:
+    """Rank 0's startup: check the identity, cut partial writes, merge shards left by a killed run."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        _check_identity(folder, identity, attempt)
+        _merge_shards(folder)
+    except EvalError as error:
+        return str(error)
+    return None
+
+
+def _finish(folder: Path) -> dict:
+    """Rank 0's end: merge the shards, then recompute and write the summary."""
+    _merge_shards(folder)
+    summary = summarize_folder(folder)
+    (folder / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    return summary
+
+
+# ------------------------------------------------------------------ model, task and environment
+
+
+def default_model(sampler: str) -> str:
+    """The shipped default checkpoint for the sampler's model kind (dllm/weights/diffusion or ar)."""
+    causal = SAMPLERS[sampler].model_kind == "causal"
+    folder = PACKAGE_DIR / "weights" / ("ar" if causal else "diffusion")
+    if not folder.is_dir():
+        raise EvalError(f"no --model given and the shipped default {'AR' if causal else 'diffusion'} model "
+                        f"({folder}) is not installed; pass --model PATH_OR_HUB_ID")
+    return str(folder)
+
+
+def _device(config: EvalConfig) -> str | None:
+    if config.device is not None:
+        return config.device
+    return f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else None
+
+
+def _load(name: str, config: EvalConfig):
+    try:
+        return dllm.load(name, kind=config.kind, device=_device(config), dtype=config.dtype)
+    except (FileNotFoundError, ValueError) as error:
+        raise EvalError(f"cannot load {name}: {error}") from None
+
+
+def _load_model(config: EvalConfig, name: str):
+    model = _load(name, config)
+    wants_causal = SAMPLERS[config.sampler].model_kind == "causal"
+    if wants_causal != is_causal_model(model):
+        raise EvalError(f"sampler {config.sampler!r} needs a {'causal' if wants_causal else 'diffusion'} model; "
+                        f"{name} loaded as {type(model).__name__}")
+    if getattr(model, "tokenizer", None) is None:
+        raise EvalError(f"{name} has no tokenizer; evaluation needs one to build prompts and read answers")
+    return model
+
+
+def _sampler_options(config: EvalConfig, model) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(options for generate, with a drafter path loaded as a model; the resolved options, JSON-able)."""
+    options = dict(config.options)
+    drafter = options.get("drafter")
+    if isinstance(drafter, str) and drafter != "ngram":
+        options["drafter"] = _load(drafter, replace(config, kind="auto"))
+    try:
+        resolved = SAMPLERS[config.sampler].resolve(options, model=model, max_new_tokens=config.max_new_tokens)
+    except (TypeError, ValueError) as error:
+        raise EvalError(f"sampler {config.sampler!r}: {error}") from None
+    resolved.pop("callback", None)
+    if "drafter" in resolved:
+        resolved["drafter"] = config.options.get("drafter", "ngram")  # the path, not the loaded model
+    return options, resolved
+
+
+def _build_task(config: EvalConfig):
+    try:
+        return get_task(config.task, **config.task_options())
+    except TypeError as error:
+        raise EvalError(f"task {config.task!r} does not take one of {sorted(config.task_options())}: {error}") \
+            from None
+
+
+def _git_commit() -> str | None:
+    """The commit of the installed package's checkout, with "-dirty" for local changes; None outside git."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=PACKAGE_DIR, capture_output=True, text=True,
+                                timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=PACKAGE_DIR,
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return commit + ("-dirty" if dirty else "")
+
+
+def _environment(config: EvalConfig, model, world: int, planned: int) -> dict:
+    import transformers
+
+    parameter = next(iter(getattr(model, "parameters", lambda: iter(()))()), None)
+    return {
+        "started_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "batch_size": config.batch_size,
+        "limit": config.limit,
+        "planned_samples": planned,
+        "world_size": world,
+        "device": str(parameter.device) if parameter is not None else str(_device(config) or "cpu"),
+        "dtype": str(parameter.dtype).removeprefix("torch.") if parameter is not None else config.dtype,
+        "versions": {"dllm": dllm.__version__, "torch": torch.__version__,
+                     "transformers": transformers.__version__, "python": platform.python_version()},
+        "git_commit": _git_commit(),
+    }
+
+
+def _identity(config: EvalConfig, model_name: str, resolved: dict) -> dict:
+    """What must match for a rerun to continue a folder: everything but NOT_IDENTITY."""
+    fields = {k: v for k, v in asdict(config).items() if k not in NOT_IDENTITY}
+    for name in ("num_fewshot", "subset", "data_file", "chat"):
+        fields.pop(name)  # kept once, as the task's options
+    return {**fields, "model": model_name, "task_options": config.task_options(), "sampler_options": resolved}
+
+
+# ------------------------------------------------------------------ decoding
+
+
+@dataclass(frozen=True)
+class _Item:
+    """One sample to draw: problem index (in the loaded list) and sample number."""
+
+    problem: int
+    sample: int
+
+
+@dataclass
+class _Job:
+    """What every batch needs: model, task, problems with their prompts, and the decoding settings."""
+
+    config: EvalConfig
+    model: Any
+    task: Any
+    problems: list[dict]
+    prompts: list[str]
+    prompt_ids: list[list[int]]
+    options: dict[str, Any]
+    stop_ids: tuple[int, ...] | None
+    run_token: str = field(default_factory=lambda: secrets.token_hex(4))
+
+    def key(self, item: _Item) -> str:
+        return f"{self.problems[item.problem]['id']}#{item.sample}"
+
+
+def _prompt_text(task, problem: dict, tokenizer) -> str:
+    prompt = task.prompt(problem)
+    if isinstance(prompt, str):
+        return prompt
+    if not has_chat_template(tokenizer):
+        raise EvalError("--chat needs a tokenizer with a chat template; this model's has none")
+    return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+
+
+def _stop_ids(model) -> tuple[int, ...] | None:
+    """The ids generate stops at by default (the model's stop_token_ids, else its EOS)."""
+    ids = getattr(model, "stop_token_ids", None) or getattr(model, "eos_token_id", None)
+    return None if ids is None else ((ids,) if isinstance(ids, int) else tuple(ids))
+
+
+def _make_job(config: EvalConfig, model, task, options: dict) -> _Job:
+    tokenizer = model.tokenizer
+    problems = task.load(config.limit)
+    prompts = [_prompt_text(task, p, tokenizer) for p in problems]
+    # Chat text already holds the template's special tokens; plain prompts get the tokenizer's (e.g. BOS).
+    encoded = tokenizer(prompts, add_special_tokens=not config.chat)["input_ids"]
+    return _Job(config, model, task, problems, prompts, encoded, options, _stop_ids(model))
+
+
+def _batches(job: _Job) -> list[list[_Item]]:
+    """Items in benchmark order (a problem's samples together), cut into batches: the same on every rank."""
+    items = [_Item(p, s) for p in range(len(job.problems)) for s in range(job.config.num_samples)]
+    size = job.config.batch_size
+    return [items[i:i + size] for i in range(0, len(items), size)]
+
+
+def batch_seed(seed: int, first_key: str) -> int:
+    """A generator seed from the run's seed and the batch's first item (stable under resume and sharding)."""
+    digest = hashlib.sha256(f"{seed}/{first_key}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def _pad_id(model) -> int:
+    tokenizer = model.tokenizer
+    for value in (getattr(model, "pad_token_id", None), tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if value is not None:
+            return int(value)
+    return 0  # padded positions are masked out, so any valid id will do
+
+
+def left_pad(rows: Sequence[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded input_ids [B, P] and attention_mask [B, P] (0 on padding)."""
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[pad_id] * (width - len(r)) + list(r) for r in rows], device=device)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
+    return ids, mask
+
+
+def model_device(model) -> torch.device:
+    """Where the model's weights live (CPU for a model without parameters)."""
+    device = getattr(model, "device", None)
+    if isinstance(device, torch.device):
+        return device
+    parameter = next(iter(getattr(model, "parameters", lambda: iter(()))()), None)
+    return parameter.device if parameter is not None else torch.device("cpu")
+
+
+def _completion(tokenizer, answer: list[int], stop_ids, stop_strings) -> str:
+    """Answer tokens up to the first stop id, decoded without special tokens, cut at the stop strings."""
+    if stop_ids:
+        cut = next((i for i, t in enumerate(answer) if t in stop_ids), len(answer))
+        answer = answer[:cut]
+    return truncate_at_stop(tokenizer.decode(answer, skip_special_tokens=True), stop_strings)
+
+
+def _decode_batch(job: _Job, items: list[_Item], index: int, rank: int) -> list[dict]:
+    """Generate, decode and score one batch; its rows for samples.jsonl."""
+    config, model = job.config, job.model
+    device = model_device(model)
+    input_ids, mask = left_pad([job.prompt_ids[i.problem] for i in items], _pad_id(model), device)
+    seed = batch_seed(config.seed, job.key(items[0]))
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.inference_mode():  # samplers never need gradients; project models do not switch them off
+        out = dllm.generate(model, input_ids, sampler=config.sampler, max_new_tokens=config.max_new_tokens,
+                            temperature=config.temperature, generator=generator, attention_mask=mask,
+                            **job.options)
+    answers = out.sequences[:, input_ids.shape[1]:]
+    lengths = (answer_lengths(answers, job.stop_ids) if job.stop_ids else
+               torch.full((len(items),), answers.shape[1])).tolist()
+    completions = [_completion(model.tokenizer, row, job.stop_ids, job.task.stop) for row in answers.tolist()]
+    problems = [job.problems[i.problem] for i in items]
+    scores = job.task.score_many(problems, completions)
+    batch = {"id": f"{job.run_token}-r{rank}-b{index}", "rows": len(items), "seed": seed, "exact": out.exact,
+             "stats": out.stats.to_dict()}
+    return [
+        {"id": p["id"], "sample": item.sample, "prompt": job.prompts[item.problem], "completion": completion,
+         **{k: v for k, v in score.items() if k != "id"}, "new_tokens": int(length), "batch": batch}
+        for item, p, completion, score, length in zip(items, problems, completions, scores, lengths)
+    ]
+
+
+def _decode_all(job: _Job, todo: list[tuple[int, list[_Item]]], path: Path, rank: int) -> None:
+    """Decode this rank's unfinished batches, appending each to `path` as it completes."""
+    from tqdm.auto import tqdm
+
+    total = sum(len(items) for _, items in todo)
+    desc = job.config.task if rank == 0 else f"{job.config.task} [rank {rank}]"
+    finished = correct = tokens = 0
+    seconds = 0.0
+    with tqdm(total=total, desc=desc, disable=not job.config.progress, dynamic_ncols=True, position=rank) as bar:
+        for index, items in todo:
+            rows = _decode_batch(job, items, index, rank)
+            _append_rows(path, rows)
+            stats = rows[0]["batch"]["stats"]
+            finished += len(rows)
+            correct += sum(bool(r["correct"]) for r in rows)
+            tokens, seconds = tokens + stats["new_tokens"], seconds + stats["wall_time_s"]
+            bar.update(len(rows))
+            bar.set_postfix(acc=f"{correct / finished:.3f}", tok_s=f"{tokens / max(seconds, 1e-9):.1f}")
+
+
+def run(config: EvalConfig) -> dict | None:
+    """Evaluate; returns the summary on rank 0 (None on other ranks)."""
+    task = _build_task(config)
+    model_name = config.model or default_model(config.sampler)
+    model = _load_model(config, model_name)
+    options, resolved = _sampler_options(config, model)
+    job = _make_job(config, model, task, options)
+    batches = _batches(job)
+    ranks = _Ranks()
+    try:
+        folder = Path(config.output)
+        attempt = _environment(config, model, ranks.world, sum(map(len, batches)))
+        error = _prepare_folder(folder, _identity(config, model_name, resolved), attempt) if ranks.rank == 0 else None
+        error = ranks.broadcast(error)
+        if error is not None:
+            raise EvalError(error)
+        done = {_key(r) for r in load_samples(folder / SAMPLES_FILE)}
+        todo = [(b, [i for i in items if job.key(i) not in done]) for b, items in enumerate(batches)
+                if b % ranks.world == ranks.rank]
+        path = folder / (SAMPLES_FILE if ranks.world == 1 else f"shard-{ranks.rank}.jsonl")
+        _decode_all(job, [(b, items) for b, items in todo if items], path, ranks.rank)
+        ranks.broadcast(None)  # every rank's shard is complete before rank 0 merges
+        return _finish(folder) if ranks.rank == 0 else None
+    finally:
+        ranks.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
