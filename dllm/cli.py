@@ -97,7 +97,8 @@ def _generate(args: argparse.Namespace) -> int:
     if args.trace:
         from dllm.eval.trace import render_trace
 
-        render_trace(events, tokenizer, args.trace)
+        render_trace(events, tokenizer, args.trace, prompt_length=ids.shape[1],
+                     mask_token_id=getattr(model, "mask_token_id", None))
     if args.json:
         print(json.dumps({"model": path, "sampler": args.sampler, "options": out.options, "prompt": text,
                           "completion": completion, "exact": out.exact, "stats": out.stats.to_dict()}))

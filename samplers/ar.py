@@ -180,7 +180,11 @@ def _diffusion_draft_logits(drafter, caller, seq, rows, length, width) -> torch.
     canvas = torch.full((seq.shape[0], size), drafter.mask_token_id, dtype=torch.long, device=seq.device)
     keep = torch.arange(seq.shape[1], device=seq.device)[None, :] < length[:, None]
     canvas[:, : seq.shape[1]] = torch.where(keep, seq, canvas[:, : seq.shape[1]])
-    logits = caller(canvas, rows, served=len(rows))
+    extra = {}
+    if getattr(drafter, "block_size", None) is not None:  # line its blocks up with the drafted answer
+        pads = (caller.attention_mask[rows] == 0).sum(dim=1) if caller.attention_mask is not None else 0
+        extra["block_offset"] = length - pads
+    logits = caller(canvas, rows, served=len(rows), **extra)
     at = length[:, None] + torch.arange(width, device=seq.device)
     return forbid_token(logits[torch.arange(seq.shape[0], device=seq.device)[:, None], at], drafter.mask_token_id)
 

@@ -109,10 +109,10 @@ class Caller:
             out["block_offset"] = self.block_offset[rows]
         return out
 
-    def __call__(self, input_ids: torch.Tensor, rows: torch.Tensor, served: int) -> torch.Tensor:
+    def __call__(self, input_ids: torch.Tensor, rows: torch.Tensor, served: int, **extra) -> torch.Tensor:
         """Plain call on full-length inputs [N, L] of canvas rows ``rows`` [N], serving ``served`` rows."""
         self.stats.count_call(input_ids, draft=self.draft, rows=served)
-        logits = self.model(input_ids, **self.kwargs(rows, slice(0, input_ids.shape[1])))
+        logits = self.model(input_ids, **self.kwargs(rows, slice(0, input_ids.shape[1])), **extra)
         return check_logits(logits, input_ids)
 
     def structured(self, input_ids, batch_rows, keys: slice, *args, **extra):

@@ -45,3 +45,10 @@ def test_demo_and_bad_sampler(capsys):
         main(["generate", "--sampler", "nope"])
     with pytest.raises(SystemExit, match="KEY=VALUE"):
         main(["generate", "--demo", "--option", "window"])
+
+
+def test_generate_trace_html(checkpoints, tmp_path, capsys):
+    path = tmp_path / "trace.html"
+    assert main(["generate", "Tom has 3", "--model", str(checkpoints["diffusion"]), "--max-new-tokens", "4",
+                 "--option", "block_length=2", "--trace", str(path)]) == 0
+    assert path.exists() and "<table" in path.read_text()

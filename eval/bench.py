@@ -1,0 +1,808 @@
+"""``dllm bench``: AR and diffusion samplers side by side on the same prompts, timed in one run.
+
+    dllm bench --output runs/bench                       # the default study on the shipped models
+    dllm bench --config "name=fef w4;model=diffusion;sampler=fef;window=4" --config "name=ar;model=ar;sampler=ar"
+    dllm bench --config-file configs/bench_fef.toml --prompts synthetic --num-prompts 32
+    dllm bench --cost-model --results runs/bench/results.json --output runs/bench   # see dllm.eval.cost_model
+
+A configuration is ``key=value`` pairs separated by ``;`` (or a ``[[run]]`` table in a TOML file):
+``name``, ``model`` (an alias: ``ar``, ``diffusion``, ``drafter`` are the shipped models, ``--model
+ALIAS=PATH`` adds or replaces one; or a folder), ``sampler``, and optionally ``temperature`` (default
+``--temperature``) and ``tokens_per_step`` (llada/dream: steps = max_new_tokens / tokens_per_step). Every
+other key is a sampler option (``dllm.samplers.SAMPLERS``); ar_spec's ``drafter`` is ``ngram`` or a model.
+Diffusion samplers default ``block_length`` to the model's ``block_size`` (so the exact block cache applies).
+
+Timing. Every configuration decodes the same prompts in the same batches (sorted by length, left padded)
+with the same seeds. One untimed pass per configuration records counters, model-call shapes and
+completions and warms up; ``--warmup`` - 1 more untimed passes follow; then ``--repeats`` timed passes,
+round-robin over configurations with a rotating start, so drift on a shared machine hits all of them
+alike. A pass is the sum over batches of wall time around ``generate`` (device synchronised before and
+after on GPUs). Reported: medians and min/max over repeats, and speedups as the median of per-repeat
+ratios to the baseline measured in the same repeat (absolute times drift; ratios measured together hold).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import operator
+import os
+import platform
+import statistics
+import sys
+import time
+import tomllib
+from collections import Counter
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import dllm
+from dllm.eval import cost_model
+from dllm.samplers import SAMPLERS
+
+SHIPPED = Path(dllm.__file__).resolve().parent / "weights"
+DEFAULT_MODELS = {name: str(SHIPPED / name) for name in ("ar", "diffusion", "drafter")}
+HARNESS_KEYS = ("name", "model", "sampler", "temperature", "tokens_per_step")
+
+# Every sampler family on the shipped models; all greedy except where a temperature is given.
+DEFAULT_STUDY = (
+    "name=ar greedy;model=ar;sampler=ar",
+    "name=ar sampled T1;model=ar;sampler=ar;temperature=1",
+    "name=ar_spec drafter-ar k4;model=ar;sampler=ar_spec;drafter=drafter;num_draft_tokens=4",
+    "name=ar_spec drafter-diffusion k4;model=ar;sampler=ar_spec;drafter=diffusion;num_draft_tokens=4",
+    "name=ar_spec ngram k4;model=ar;sampler=ar_spec;drafter=ngram;num_draft_tokens=4",
+    "name=sequential;model=diffusion;sampler=sequential",
+    "name=sequential no-cache;model=diffusion;sampler=sequential;cache=none",
+    "name=llada 1/step;model=diffusion;sampler=llada;tokens_per_step=1",
+    "name=llada 2/step;model=diffusion;sampler=llada;tokens_per_step=2",
+    "name=llada 4/step;model=diffusion;sampler=llada;tokens_per_step=4",
+    "name=fast_dllm t0.9;model=diffusion;sampler=fast_dllm;threshold=0.9",
+    "name=eb g0.01;model=diffusion;sampler=eb;gamma=0.01",
+    "name=fef w2;model=diffusion;sampler=fef;window=2",
+    "name=fef w4;model=diffusion;sampler=fef;window=4",
+    "name=fef w8;model=diffusion;sampler=fef;window=8",
+    "name=fef w4 no-cache;model=diffusion;sampler=fef;window=4;cache=none",
+    "name=fef w4 stale;model=diffusion;sampler=fef;window=4;draft=stale",
+    "name=fef w4 structured;model=diffusion;sampler=fef;window=4;verifier=structured",
+    "name=fef w4 T1;model=diffusion;sampler=fef;window=4;temperature=1",
+)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Configuration
+# --------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One configuration of the study: a model, a sampler and its options (validated on construction)."""
+
+    name: str
+    model: str
+    sampler: str
+    options: dict[str, Any] = field(default_factory=dict)
+    temperature: float | None = None  # None: the study's temperature
+    tokens_per_step: int | None = None  # llada/dream: steps = max_new_tokens / tokens_per_step
+
+    def __post_init__(self):
+        for key in ("name", "model"):
+            if not isinstance(getattr(self, key), str) or not getattr(self, key).strip():
+                raise ValueError(f"configuration {key} must be a non-empty string, got {getattr(self, key)!r}")
+        if self.sampler not in SAMPLERS:
+            raise ValueError(f"configuration {self.name!r}: sampler must be one of {sorted(SAMPLERS)}, "
+                             f"got {self.sampler!r}")
+        allowed = SAMPLERS[self.sampler].options
+        unknown = sorted(set(self.options) - set(allowed))
+        if unknown:
+            raise ValueError(f"configuration {self.name!r}: unknown option(s) {unknown} for sampler "
+                             f"{self.sampler!r}; allowed: {sorted(allowed) + list(HARNESS_KEYS)}")
+        if self.temperature is not None and not _is_number(self.temperature, minimum=0):
+            raise ValueError(f"configuration {self.name!r}: temperature must be a number >= 0, "
+                             f"got {self.temperature!r}")
+        self._check_tokens_per_step(allowed)
+
+    def _check_tokens_per_step(self, allowed) -> None:
+        if self.tokens_per_step is None:
+            return
+        if "steps" not in allowed or "steps" in self.options:
+            raise ValueError(f"configuration {self.name!r}: tokens_per_step is for llada/dream without steps=")
+        if isinstance(self.tokens_per_step, bool) or not isinstance(self.tokens_per_step, int) \
+                or self.tokens_per_step < 1:
+            raise ValueError(f"configuration {self.name!r}: tokens_per_step must be an int >= 1, "
+                             f"got {self.tokens_per_step!r}")
+
+    @classmethod
+    def from_mapping(cls, values: dict[str, Any]) -> RunConfig:
+        """Harness keys (name, model, sampler, temperature, tokens_per_step) plus sampler options."""
+        missing = [key for key in ("name", "model", "sampler") if key not in values]
+        if missing:
+            raise ValueError(f"configuration {dict(values)} lacks {missing}")
+        harness = {key: values[key] for key in HARNESS_KEYS if key in values}
+        return cls(**harness, options={k: v for k, v in values.items() if k not in HARNESS_KEYS})
+
+    @property
+    def drafter(self) -> str | None:
+        """The drafter model's name (ar_spec with a model drafter), else None."""
+        drafter = self.options.get("drafter")
+        return drafter if isinstance(drafter, str) and drafter != "ngram" else None
+
+
+def parse_config(text: str) -> RunConfig:
+    """``"name=fef w4;model=diffusion;sampler=fef;window=4"`` -> RunConfig (values typed like TOML scalars)."""
+    values = {}
+    for item in filter(None, (part.strip() for part in text.split(";"))):
+        if "=" not in item:
+            raise ValueError(f"--config items are key=value separated by ';', got {item!r} in {text!r}")
+        key, value = (s.strip() for s in item.split("=", 1))
+        values[key] = _parse_value(value)
+    options = SAMPLERS[values["sampler"]].options if values.get("sampler") in SAMPLERS else {}
+    for key, option in options.items():  # "none" is a value of choice options (cache=none), None elsewhere
+        if key in values and values[key] is None and isinstance(option.default, str):
+            values[key] = "none"
+    return RunConfig.from_mapping(values)
+
+
+def _parse_value(text: str) -> Any:
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return {"none": None, "true": True, "false": False}.get(text.lower(), text)
+
+
+def _is_number(value, minimum: float) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value) and value >= minimum
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the study runs on and how it is timed (CLI flags over a TOML file's [study] over these)."""
+
+    prompts: str = "synthetic"  # a task name (dllm.eval.TASKS), a .jsonl/.json file, or "random"
+    data_file: str | None = None  # the task's data (e.g. a local gsm8k_test.jsonl)
+    task_options: dict[str, Any] = field(default_factory=dict)  # get_task keyword arguments
+    num_prompts: int = 16
+    max_new_tokens: int = 64
+    batch_size: int = 8
+    repeats: int = 3
+    warmup: int = 1
+    temperature: float = 0.0
+    seed: int = 0
+    prompt_length: int = 32  # "random" prompts only
+    baseline: str | None = None  # default: "ar greedy" if present, else the first configuration
+    dtype: str = "bfloat16"  # bf16 is faster on CPUs with bf16 matmuls and on GPUs
+    device: str = "auto"
+    threads: int | None = None
+    output: str = "runs/bench"
+
+    def __post_init__(self):
+        for name, minimum in (("num_prompts", 1), ("max_new_tokens", 1), ("batch_size", 1), ("repeats", 1),
+                              ("warmup", 1), ("prompt_length", 1), ("seed", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+        if not _is_number(self.temperature, minimum=0):
+            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not isinstance(getattr(torch, self.dtype, None), torch.dtype):
+            raise ValueError(f"dtype must name a torch dtype (bfloat16, float32, ...), got {self.dtype!r}")
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if self.device == "auto" else self.device)
+
+
+def read_config_file(path: str | Path) -> tuple[dict[str, Any], dict[str, str], list[RunConfig]]:
+    """A TOML study file -> ([study] settings, [models] aliases, [[run]] configurations)."""
+    data = tomllib.loads(Path(path).read_text())
+    unknown = sorted(set(data) - {"study", "models", "run"})
+    if unknown:
+        raise ValueError(f"{path}: unknown tables {unknown}; allowed: [study], [models], [[run]]")
+    study = data.get("study", {})
+    known = {f.name for f in fields(Settings)}
+    if set(study) - known:
+        raise ValueError(f"{path}: unknown [study] keys {sorted(set(study) - known)}; allowed: {sorted(known)}")
+    models = {str(k): str(v) for k, v in data.get("models", {}).items()}
+    return study, models, [RunConfig.from_mapping(run) for run in data.get("run", [])]
+
+
+# --------------------------------------------------------------------------------------------------------
+# Models and prompts
+# --------------------------------------------------------------------------------------------------------
+
+
+class ModelStore:
+    """Loads each model once; a name is an alias (``--model``, [models], the shipped ones) or a folder."""
+
+    def __init__(self, aliases: dict[str, str], device: torch.device, dtype: torch.dtype, tokenizer=None):
+        self.aliases, self.device, self.dtype = aliases, device, dtype
+        self.loaded: dict[str, Any] = {}
+        self.tokenizer = tokenizer
+
+    def path(self, name: str) -> Path:
+        return Path(self.aliases.get(name, name)).expanduser()
+
+    def get(self, name: str):
+        if name not in self.loaded:
+            path = self.path(name)
+            if not path.is_dir():
+                hint = " (shipped models not there yet? pass --model ALIAS=PATH)" if name in self.aliases else ""
+                raise FileNotFoundError(f"model {name!r}: no folder at {path}{hint}")
+            model = dllm.load(path, device=self.device, dtype=self.dtype)
+            self.loaded[name] = model.eval() if hasattr(model, "eval") else model
+            if self.tokenizer is None:
+                self.tokenizer = getattr(model, "tokenizer", None)
+        return self.loaded[name]
+
+
+@dataclass
+class Prompts:
+    """Token ids of every prompt, plus the task and problems when the prompts can be scored."""
+
+    source: str
+    ids: list[list[int]]
+    task: Any = None
+    problems: list[dict] | None = None
+
+
+def load_prompts(settings: Settings, tokenizer, vocab_size: int, avoid: set[int]) -> Prompts:
+    """The study's prompts: a task's problems, a JSONL file's, or random token ids."""
+    n, source = settings.num_prompts, settings.prompts
+    if source == "random":  # no tokenizer needed: for models without one, and for pure speed runs
+        generator = torch.Generator().manual_seed(settings.seed)
+        allowed = torch.tensor([t for t in range(vocab_size) if t not in avoid])
+        picks = torch.randint(len(allowed), (n, settings.prompt_length), generator=generator)
+        return Prompts(source, allowed[picks].tolist())
+    if tokenizer is None:
+        raise ValueError(f"prompts {source!r} are text but no model has a tokenizer; pass --tokenizer PATH "
+                         "or --prompts random")
+    from dllm.eval import get_task
+    from dllm.eval.data import read_records
+
+    task = problems = None
+    if source.endswith((".jsonl", ".json")):
+        records = read_records(source)[:n]
+        if all("prompt" in r for r in records):
+            texts = [r["prompt"] for r in records]
+        else:  # question/answer records: scored like the synthetic set (GSM8K format)
+            task = get_task("synthetic", data_file=source)
+    else:
+        task = get_task(source, **({"data_file": settings.data_file} if settings.data_file else {}),
+                        **settings.task_options)
+    if task is not None:
+        problems = task.load(limit=n)
+        texts = [task.prompt(p, chat=False) for p in problems]
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    return Prompts(source, ids, task, problems)
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Prompts decoded together: their indices, left-padded ids [B, P] and padding mask (None if none)."""
+
+    index: list[int]
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor | None
+
+
+def make_batches(ids: list[list[int]], batch_size: int, pad_id: int, device) -> list[Batch]:
+    """Batches of similar-length prompts (sorted by length, so little padding), left padded."""
+    order = sorted(range(len(ids)), key=lambda i: (len(ids[i]), i))
+    batches = []
+    for start in range(0, len(order), batch_size):
+        index = order[start : start + batch_size]
+        width = max(len(ids[i]) for i in index)
+        rows = [[pad_id] * (width - len(ids[i])) + list(ids[i]) for i in index]
+        mask = torch.tensor([[0] * (width - len(ids[i])) + [1] * len(ids[i]) for i in index], device=device)
+        batches.append(Batch(index, torch.tensor(rows, device=device), None if bool(mask.all()) else mask))
+    return batches
+
+
+# --------------------------------------------------------------------------------------------------------
+# Running
+# --------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Prepared:
+    """A configuration bound to its loaded model(s) and generate options (validated before any timing)."""
+
+    config: RunConfig
+    model: Any
+    options: dict[str, Any]
+    temperature: float
+
+
+def prepare(config: RunConfig, store: ModelStore, settings: Settings) -> Prepared:
+    model = store.get(config.model)
+    options = dict(config.options)
+    if config.drafter is not None:
+        options["drafter"] = store.get(config.drafter)
+    if config.tokens_per_step is not None:
+        if settings.max_new_tokens % config.tokens_per_step:
+            raise ValueError(f"configuration {config.name!r}: tokens_per_step={config.tokens_per_step} must "
+                             f"divide max_new_tokens={settings.max_new_tokens}")
+        options["steps"] = settings.max_new_tokens // config.tokens_per_step
+    spec = SAMPLERS[config.sampler]
+    if "block_length" in spec.options and "block_length" not in options and getattr(model, "block_size", None):
+        options["block_length"] = model.block_size  # the model's blocks: the exact block cache applies
+    try:
+        spec.resolve(options, model=model, max_new_tokens=settings.max_new_tokens)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"configuration {config.name!r}: {error}") from error
+    temperature = settings.temperature if config.temperature is None else config.temperature
+    return Prepared(config, model, options, temperature)
+
+
+class CallLog:
+    """Shapes of every model call: (role, rows, new tokens, cached context) -> count."""
+
+    def __init__(self):
+        self.counts: Counter = Counter()
+
+    def add(self, role: str, rows: int, tokens: int, context: int) -> None:
+        self.counts[(role, rows, tokens, context)] += 1
+
+    def to_list(self) -> list[dict]:
+        return [{"role": r, "rows": n, "tokens": t, "context": c, "count": k}
+                for (r, n, t, c), k in sorted(self.counts.items())]
+
+
+class Recorded:
+    """A model seen through a CallLog: the same answers, and each call's shape recorded for the cost model.
+
+    Capabilities are forwarded only when the model has them (the samplers discover them by getattr).
+    """
+
+    def __init__(self, model, log: CallLog, role: str):
+        object.__setattr__(self, "_parts", (model, log, role))
+
+    def __call__(self, input_ids, *args, **kwargs):
+        model, log, role = self._parts
+        log.add(role, input_ids.shape[0], input_ids.shape[1], 0)
+        return model(input_ids, *args, **kwargs)
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or name == "_parts":
+            raise AttributeError(name)
+        model, log, role = self._parts
+        attr = getattr(model, name)
+        if name == "forward_cached":
+            return functools.partial(self._cached, attr)
+        if name == "structured_verify":
+            return functools.partial(self._structured, attr)
+        return attr
+
+    def _cached(self, method, input_ids, cache, *args, **kwargs):
+        self._parts[1].add(self._parts[2], input_ids.shape[0], input_ids.shape[1], cache.length)
+        return method(input_ids, cache, *args, **kwargs)
+
+    def _structured(self, method, input_ids, positions, *args, cache=None, **kwargs):
+        # One pass over the state, the drafts, one query per window position and the bonus query.
+        tokens = input_ids.shape[1] + 2 * positions.shape[1] + 1
+        self._parts[1].add(self._parts[2], input_ids.shape[0], tokens, cache.length if cache is not None else 0)
+        return method(input_ids, positions, *args, cache=cache, **kwargs)
+
+
+def run_pass(run: Prepared, batches: list[Batch], settings: Settings, log: CallLog | None = None):
+    """Decode every batch once -> (seconds summed over the generate calls, outputs).
+
+    Batch i is seeded with seed + i for every configuration and repeat: the same noise everywhere.
+    """
+    model, options = run.model, dict(run.options)
+    if log is not None:
+        model = Recorded(model, log, "target")
+        if "drafter" in options and not isinstance(options["drafter"], str):
+            options["drafter"] = Recorded(options["drafter"], log, "draft")
+    seconds, outputs = 0.0, []
+    for i, batch in enumerate(batches):
+        generator = torch.Generator(device=batch.input_ids.device).manual_seed(settings.seed + i)
+        _synchronize(batch.input_ids.device)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = dllm.generate(model, batch.input_ids, sampler=run.config.sampler,
+                                max_new_tokens=settings.max_new_tokens, temperature=run.temperature,
+                                generator=generator, attention_mask=batch.attention_mask, **options)
+        _synchronize(batch.input_ids.device)
+        seconds += time.perf_counter() - start
+        outputs.append(out)
+    return seconds, outputs
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_study(runs: list[Prepared], batches: list[Batch], settings: Settings, progress=print):
+    """Recorded pass, warm-up passes, then timed repeats round-robin -> (profiles, seconds per repeat)."""
+    profiles = {}
+    for run in runs:
+        log = CallLog()
+        seconds, outputs = run_pass(run, batches, settings, log)
+        profiles[run.config.name] = (outputs, log)
+        progress(f"  recorded {run.config.name} ({seconds:.2f} s)")
+    for _ in range(settings.warmup - 1):
+        for run in runs:
+            run_pass(run, batches, settings)
+    times: dict[str, list[float]] = {run.config.name: [] for run in runs}
+    for repeat in range(settings.repeats):
+        shift = repeat % len(runs)  # rotate the start so no configuration always runs first or last
+        for run in runs[shift:] + runs[:shift]:
+            times[run.config.name].append(run_pass(run, batches, settings)[0])
+        progress(f"  repeat {repeat + 1}/{settings.repeats} done")
+    return profiles, times
+
+
+# --------------------------------------------------------------------------------------------------------
+# Results
+# --------------------------------------------------------------------------------------------------------
+
+
+def completions(batches: list[Batch], outputs, tokenizer, stop_ids: set[int]) -> list[str | None]:
+    """Each prompt's answer, cut at its first stop token and decoded (None without a tokenizer)."""
+    texts: list[str | None] = [None] * sum(len(b.index) for b in batches)
+    if tokenizer is None:
+        return texts
+    for batch, out in zip(batches, outputs):
+        for i, row in zip(batch.index, out.sequences[:, batch.input_ids.shape[1] :].tolist()):
+            cut = next((k for k, t in enumerate(row) if t in stop_ids), len(row))
+            texts[i] = tokenizer.decode(row[:cut], skip_special_tokens=True)
+    return texts
+
+
+def summarize(run: Prepared, outputs, log: CallLog, seconds: list[float], texts, prompts: Prompts) -> dict:
+    """One configuration's entry of results.json (speedups are added by ``add_speedups``)."""
+    stats = functools.reduce(operator.add, (out.stats for out in outputs))
+    tokens, samples = max(stats.new_tokens, 1), len(texts)
+    median = statistics.median(seconds)
+    scores = None
+    if prompts.task is not None and texts[0] is not None:
+        scores = [prompts.task.score(p, t)["correct"] for p, t in zip(prompts.problems, texts)]
+    options = {**outputs[0].options, **({"drafter": run.config.drafter} if run.config.drafter else {})}
+    return {
+        "name": run.config.name, "model": run.config.model, "drafter": run.config.drafter,
+        "sampler": run.config.sampler, "options": _jsonable(options), "temperature": run.temperature,
+        "exact": all(out.exact for out in outputs),
+        "tokens_per_s": tokens / median, "tokens_per_s_min": tokens / max(seconds),
+        "tokens_per_s_max": tokens / min(seconds),
+        "s_per_token": median / tokens, "s_per_token_min": min(seconds) / tokens,
+        "s_per_token_max": max(seconds) / tokens, "relative_spread": (max(seconds) - min(seconds)) / median,
+        "s_per_sample": median / samples, "times_s": seconds,
+        "num_samples": samples, "new_tokens": stats.new_tokens,
+        "nfe": stats.nfe, "nfe_draft": stats.nfe_draft, "row_calls": stats.row_calls,
+        "forward_tokens": stats.forward_tokens, "forward_tokens_draft": stats.forward_tokens_draft,
+        "forward_tokens_per_token": stats.forward_tokens / tokens,
+        "forward_tokens_draft_per_token": stats.forward_tokens_draft / tokens,
+        "tokens_per_call": stats.tokens_per_call, "tokens_per_row_call": stats.tokens_per_row_call,
+        "mean_acceptance_length": stats.mean_acceptance_length, "acceptance_rate": stats.acceptance_rate,
+        "acceptance_per_position": stats.acceptance_per_position,
+        "accuracy": None if scores is None else sum(scores) / len(scores),
+        "num_scored": 0 if scores is None else len(scores),
+        "examples": texts[:2], "call_shapes": log.to_list(),
+    }
+
+
+def _jsonable(options: dict) -> dict:
+    return {k: v if isinstance(v, str | int | float | bool | type(None)) else str(v) for k, v in options.items()}
+
+
+def add_speedups(runs: list[dict], baseline: str) -> None:
+    """Speedup over the baseline: the median of per-repeat tokens/s ratios (each pair timed in one repeat)."""
+    base = next(r for r in runs if r["name"] == baseline)
+    for run in runs:
+        ratios = [(run["new_tokens"] / t) / (base["new_tokens"] / b) for t, b in zip(run["times_s"], base["times_s"])]
+        run.update(speedup=statistics.median(ratios), speedup_min=min(ratios), speedup_max=max(ratios))
+
+
+def environment(settings: Settings) -> dict:
+    device = settings.torch_device
+    return {
+        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                    "python": platform.python_version(), "cpu_count": os.cpu_count(), "device": str(device),
+                    "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"},
+        "dtype": settings.dtype, "torch_version": torch.__version__, "threads": torch.get_num_threads(),
+    }
+
+
+COLUMNS = (  # (header, key, format) of the printed and markdown tables
+    ("configuration", "name", "{}"), ("sampler", "sampler", "{}"), ("exact", "exact", "{}"),
+    ("tok/s", "tokens_per_s", "{:.1f}"), ("x baseline", "speedup", "{:.2f}"),
+    ("(min-max)", "speedup_range", "{}"), ("s/sample", "s_per_sample", "{:.3f}"),
+    ("NFE", "nfe", "{}"), ("NFE draft", "nfe_draft", "{}"), ("fwd tok/tok", "forward_tokens_per_token", "{:.1f}"),
+    ("tok/call", "tokens_per_call", "{:.2f}"), ("tok/row-call", "tokens_per_row_call", "{:.2f}"),
+    ("acc. len", "mean_acceptance_length", "{:.2f}"), ("accuracy", "accuracy", "{:.3f}"),
+)
+
+
+def table_rows(runs: list[dict]) -> list[list[str]]:
+    rows = []
+    for run in runs:
+        run = {**run, "speedup_range": f"{run['speedup_min']:.2f}-{run['speedup_max']:.2f}"}
+        rows.append(["-" if run[key] is None else fmt.format(run[key]) for _, key, fmt in COLUMNS])
+    return rows
+
+
+def markdown(results: dict) -> str:
+    """results.md: settings, the main table, and per-position acceptance of speculative configurations."""
+    s = results["settings"]
+    head = [h for h, _, _ in COLUMNS]
+    lines = [
+        "# dllm bench", "",
+        f"{results['machine']['processor']} ({results['machine']['device_name']}), torch {results['torch_version']}, "
+        f"{results['dtype']}, {results['threads']} threads. Prompts: {results['prompts']['source']} "
+        f"x {results['prompts']['count']}, max_new_tokens {s['max_new_tokens']}, batch size {s['batch_size']}, "
+        f"{s['repeats']} timed repeats (median; speedup = median per-repeat ratio to `{results['baseline']}`).", "",
+        "| " + " | ".join(head) + " |", "|" + " --- |" * len(head),
+    ]
+    lines += ["| " + " | ".join(row) + " |" for row in table_rows(results["runs"])]
+    speculative = [r for r in results["runs"] if r["acceptance_per_position"]]
+    if speculative:
+        width = max(len(r["acceptance_per_position"]) for r in speculative)
+        lines += ["", "Acceptance by window position (P(drafts 0..j accepted | j proposed)):", "",
+                  "| configuration | " + " | ".join(str(j) for j in range(width)) + " |",
+                  "|" + " --- |" * (width + 1)]
+        for r in speculative:
+            cells = [f"{a:.2f}" for a in r["acceptance_per_position"]] + [""] * width
+            lines.append(f"| {r['name']} | " + " | ".join(cells[:width]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def print_table(runs: list[dict]) -> None:
+    head = [h for h, _, _ in COLUMNS]
+    rows = table_rows(runs)
+    widths = [max(len(x) for x in column) for column in zip(head, *rows)]
+    for row in [head, *rows]:
+        print("  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))))
+
+
+# --------------------------------------------------------------------------------------------------------
+# Plots
+# --------------------------------------------------------------------------------------------------------
+
+
+MARKERS = {"ar": "s", "ar_spec": "D", "sequential": "v", "fef": "o"}  # other samplers: "^"
+
+
+def plot_pareto(plt, runs: list[dict], path: Path) -> None:
+    """Accuracy against tokens/s (min-max over repeats as error bars), with the Pareto front.
+
+    Points carry their configuration's number (legend on the right): names would overlap.
+    """
+    fig, ax = plt.subplots(figsize=(10, 5.5))
+    scored = all(r["accuracy"] is not None for r in runs)
+    key = "accuracy" if scored else "tokens_per_row_call"
+    colours = plt.get_cmap("tab20")
+    for i, run in enumerate(runs):
+        x, y = run["tokens_per_s"], run[key]
+        err = [[x - run["tokens_per_s_min"]], [run["tokens_per_s_max"] - x]]
+        ax.errorbar(x, y, xerr=err, fmt=MARKERS.get(run["sampler"], "^"), color=colours(i % 20), capsize=3,
+                    label=f"{i + 1}. {run['name']}")
+        ax.annotate(str(i + 1), (x, y), fontsize=8, xytext=(4, 4), textcoords="offset points")
+    front = _pareto_front([(r["tokens_per_s"], r[key]) for r in runs])
+    ax.plot(*zip(*front), "k--", lw=0.8, label="Pareto front")
+    ax.set_xscale("log")
+    ax.set_xlabel("response tokens / s (median; bars: min-max over repeats)")
+    ax.set_ylabel("accuracy" if scored else "tokens per row-call (prompts unscored)")
+    ax.set_title("Accuracy vs speed" if scored else "Tokens per call vs speed")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Points no other point beats on both axes, by increasing speed."""
+    front, best = [], -math.inf
+    for x, y in sorted(points, key=lambda p: (-p[0], -p[1])):
+        if y > best:
+            front.append((x, y))
+            best = y
+    return sorted(front)
+
+
+def plot_calls(plt, runs: list[dict], path: Path) -> None:
+    """Tokens per row-call and forward tokens per generated token, one bar per configuration."""
+    fig, axes = plt.subplots(1, 2, figsize=(11, 0.32 * len(runs) + 1.5), sharey=True)
+    names = [r["name"] for r in runs]
+    colours = [plt.get_cmap("tab10")(list(SAMPLERS).index(r["sampler"]) % 10) for r in runs]
+    axes[0].barh(names, [r["tokens_per_row_call"] for r in runs], color=colours)
+    axes[0].set_xlabel("tokens per row-call (new tokens / sequences served by target calls)")
+    axes[1].barh(names, [r["forward_tokens_per_token"] for r in runs], color=colours, label="target")
+    axes[1].barh(names, [r["forward_tokens_draft_per_token"] for r in runs], color="white", edgecolor="black",
+                 hatch="//", left=[r["forward_tokens_per_token"] for r in runs], label="drafter")
+    axes[1].set_xscale("log")
+    axes[1].set_xlabel("forward tokens per generated token")
+    axes[1].legend(fontsize=8)
+    axes[0].invert_yaxis()
+    for ax in axes:
+        ax.grid(alpha=0.3, axis="x")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_acceptance(plt, runs: list[dict], path: Path) -> None:
+    """P(drafts 0..j all accepted | j proposed) against window position j, per speculative configuration."""
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for run in runs:
+        accept = run["acceptance_per_position"]
+        if accept:
+            ax.plot(range(len(accept)), accept, "o-", label=run["name"])
+    ax.set_xlabel("window position j")
+    ax.set_ylabel("acceptance (drafts 0..j accepted)")
+    ax.set_ylim(0, 1.05)
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.grid(alpha=0.3)
+    if ax.lines:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
+    else:
+        ax.text(0.5, 0.5, "no speculative configuration", ha="center", transform=ax.transAxes)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_plots(runs: list[dict], folder: Path) -> list[str]:
+    plt = cost_model.pyplot()
+    if plt is None:
+        return []
+    plots = {"pareto.png": plot_pareto, "tokens_per_call.png": plot_calls, "acceptance.png": plot_acceptance}
+    for name, plot in plots.items():
+        plot(plt, runs, folder / name)
+    return list(plots)
+
+
+# --------------------------------------------------------------------------------------------------------
+# The study and the command line
+# --------------------------------------------------------------------------------------------------------
+
+
+def run_study(configs: list[RunConfig], settings: Settings, aliases: dict[str, str], tokenizer=None) -> dict:
+    """Run the study, write results.json, results.md and plots to ``settings.output``; return the results."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(settings.threads or threads)
+    try:
+        return _study(configs, settings, aliases, tokenizer)
+    finally:
+        torch.set_num_threads(threads)  # callers (tests, notebooks) keep their own setting
+
+
+def _study(configs: list[RunConfig], settings: Settings, aliases: dict[str, str], tokenizer) -> dict:
+    names = [c.name for c in configs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"configuration names must be unique, got {names}")
+    baseline = settings.baseline or ("ar greedy" if "ar greedy" in names else names[0])
+    if baseline not in names:
+        raise ValueError(f"baseline {baseline!r} is not a configuration name; names: {names}")
+    device = settings.torch_device
+    store = ModelStore(aliases, device, getattr(torch, settings.dtype), tokenizer)
+    runs = [prepare(c, store, settings) for c in configs]
+    models = list(store.loaded.values())
+    prompts = load_prompts(settings, store.tokenizer, min(m.vocab_size for m in models), _special_ids(models))
+    _check_lengths(prompts, models, settings)
+    batches = make_batches(prompts.ids, settings.batch_size, _pad_id(store.tokenizer, models), device)
+    print(f"{len(runs)} configurations x {len(prompts.ids)} prompts ({prompts.source}) on {device}, "
+          f"{settings.dtype}, {torch.get_num_threads()} threads")
+    profiles, times = time_study(runs, batches, settings)
+    stops = _special_ids(models, masks=False) | {getattr(store.tokenizer, "eos_token_id", None)}
+    entries = []
+    for run in runs:
+        outputs, log = profiles[run.config.name]
+        texts = completions(batches, outputs, store.tokenizer, stops - {None})
+        entries.append(summarize(run, outputs, log, times[run.config.name], texts, prompts))
+    add_speedups(entries, baseline)
+    results = {
+        "schema_version": 1, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), **environment(settings),
+        "settings": asdict(settings), "baseline": baseline,
+        "models": {name: str(store.path(name)) for name in store.loaded},
+        "prompts": {"source": prompts.source, "count": len(prompts.ids), "scored": prompts.task is not None,
+                    "mean_length": statistics.fmean(len(p) for p in prompts.ids)},
+        "timing": "median over repeats of the summed wall time of generate calls; warm-up and the recorded pass "
+                  "excluded; configurations interleaved round-robin; speedup = median per-repeat ratio",
+        "runs": entries,
+    }
+    _write(results, Path(settings.output))
+    return results
+
+
+def _special_ids(models, masks: bool = True) -> set[int]:
+    """Stop ids of every model, plus mask and pad ids (kept out of random prompts)."""
+    ids = set()
+    for model in models:
+        names = ("eos_token_id", "pad_token_id", "mask_token_id") if masks else ("eos_token_id",)
+        for name in names:
+            value = getattr(model, name, None)
+            ids |= set(value) if isinstance(value, list | tuple) else {value}
+        ids |= set(getattr(model, "stop_token_ids", None) or ())
+    return ids - {None}
+
+
+def _pad_id(tokenizer, models) -> int:
+    """Any id works under the attention mask; the tokenizer's or a model's pad id keeps traces readable."""
+    pad = getattr(tokenizer, "pad_token_id", None)
+    return pad if pad is not None else next((m.pad_token_id for m in models if getattr(m, "pad_token_id", None)), 0)
+
+
+def _check_lengths(prompts: Prompts, models, settings: Settings) -> None:
+    """Fail before timing when the longest prompt plus the answer (and drafts) exceeds a model's context."""
+    longest = max(len(p) for p in prompts.ids) + settings.max_new_tokens + 9  # + ar_spec drafts and bonus
+    for model in models:
+        limit = getattr(getattr(model, "config", None), "max_seq_len", None)
+        if isinstance(limit, int) and longest > limit:
+            raise ValueError(f"prompts up to {longest - settings.max_new_tokens - 9} tokens + max_new_tokens "
+                             f"{settings.max_new_tokens} (+9 for drafts) exceed a model's max_seq_len {limit}; "
+                             "lower --max-new-tokens or use shorter prompts")
+
+
+def _write(results: dict, folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    results["plots"] = write_plots(results["runs"], folder)
+    (folder / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    (folder / "results.md").write_text(markdown(results))
+    print_table(results["runs"])
+    print(f"wrote {folder / 'results.json'}, results.md and {len(results['plots'])} plots")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dllm bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", action="append", default=[], metavar="SPEC",
+                        help='a configuration, e.g. "name=fef w4;model=diffusion;sampler=fef;window=4" (repeatable)')
+    parser.add_argument("--config-file", help="TOML file with [study], [models] and [[run]] tables")
+    parser.add_argument("--model", action="append", default=[], metavar="ALIAS=PATH",
+                        help="model alias (ar, diffusion, drafter are the shipped models)")
+    parser.add_argument("--tokenizer", help="tokenizer.json to use instead of the models' own")
+    parser.add_argument("--prompts", help="task name (synthetic, gsm8k, ...), a .jsonl file, or 'random'")
+    parser.add_argument("--data-file", help="the task's data file")
+    parser.add_argument("--task-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="task keyword argument, e.g. num_fewshot=0")
+    defaults = Settings()
+    for name, kind in (("num-prompts", int), ("max-new-tokens", int), ("batch-size", int), ("repeats", int),
+                       ("warmup", int), ("temperature", float), ("seed", int), ("prompt-length", int),
+                       ("threads", int)):
+        default = getattr(defaults, name.replace("-", "_"))
+        parser.add_argument(f"--{name}", type=kind,
+                            help=f"default: {'torch default' if default is None else default}")
+    parser.add_argument("--baseline", help="configuration the speedups are relative to (default: ar greedy)")
+    parser.add_argument("--dtype", help="bfloat16 (default) or float32")
+    parser.add_argument("--device", help="auto (default), cpu or cuda")
+    parser.add_argument("--output", help="output folder (default runs/bench)")
+    cost_model.add_arguments(parser.add_argument_group("cost model (--cost-model)"))
+    return parser
+
+
+def _pairs(items: list[str], flag: str) -> dict[str, str]:
+    if any("=" not in item for item in items):
+        raise SystemExit(f"{flag} expects KEY=VALUE, got {items}")
+    return dict(item.split("=", 1) for item in items)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.cost_model:
+        return cost_model.main(args)
+    study, file_models, configs = read_config_file(args.config_file) if args.config_file else ({}, {}, [])
+    configs += [parse_config(text) for text in args.config]
+    configs = configs or [parse_config(text) for text in DEFAULT_STUDY]
+    flags = {f.name: getattr(args, f.name) for f in fields(Settings) if getattr(args, f.name, None) is not None}
+    task_options = {k: _parse_value(v) for k, v in _pairs(args.task_option, "--task-option").items()}
+    settings = Settings(**{**study, **flags, **({"task_options": task_options} if task_options else {})})
+    aliases = {**DEFAULT_MODELS, **file_models, **_pairs(args.model, "--model")}
+    tokenizer = None
+    if args.tokenizer:
+        from dllm.data.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(args.tokenizer)
+    run_study(configs, settings, aliases, tokenizer)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# The AR vs diffusion speed study on the shipped models, plus 8B-shape forward-latency curves and each
+# sampler's projected speed at that scale, written to one folder.
+#
+#   bash eval/gpu_study.sh [OUT]          # on a CUDA GPU: full settings, under 10 minutes
+#   SMALL=1 bash eval/gpu_study.sh [OUT]  # small settings (the default where CUDA is missing): CPU-sized
+#
+# OUT (default runs/gpu_study_<date>) receives: results.json/.md and plots of the study, study.log;
+# cost_model.json/.md, latency.png, projection.png, cost.log (8B-class targets); selfcheck/ (the cost model
+# on the shipped models' own shapes, projected from the same results: compare its projected speedups with
+# the measured ones to see how far "forward time is all that counts" holds on this device).
+#
+# Overrides (environment): MODEL_AR, MODEL_DIFFUSION, MODEL_DRAFTER (folders; default the shipped models),
+# PROMPTS, NUM_PROMPTS, MAX_NEW_TOKENS, BATCH_SIZE, REPEATS, WARMUP, THREADS, COST_ROLES (name=arch,...),
+# COST_ARCHS (extra archs, comma-separated), COST_ROWS, COST_TOKENS, COST_CONTEXTS, COST_LAYERS, COST_REPS,
+# SELFCHECK (0 to skip), PYTHON.
+set -euo pipefail
+
+OUT=${1:-runs/gpu_study_$(date +%Y%m%d_%H%M%S)}
+PY=${PYTHON:-python}
+if [[ -z "${SMALL:-}" ]]; then
+  if "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then SMALL=0; else SMALL=1; fi
+fi
+
+if [[ "$SMALL" == 1 ]]; then  # a CPU: a few prompts, short answers, 1-2 layers of the 8B shapes
+  : "${NUM_PROMPTS:=8}" "${MAX_NEW_TOKENS:=32}" "${BATCH_SIZE:=4}" "${REPEATS:=2}"
+  : "${COST_ROWS:=1,4}" "${COST_TOKENS:=1,16}" "${COST_CONTEXTS:=0,64}" "${COST_LAYERS:=1,2}" "${COST_REPS:=2}"
+  : "${SELF_ROWS:=1,8,32}" "${SELF_TOKENS:=1,8,64,256}" "${SELF_CONTEXTS:=0,128}"
+else
+  : "${NUM_PROMPTS:=64}" "${MAX_NEW_TOKENS:=64}" "${BATCH_SIZE:=16}" "${REPEATS:=3}"
+  : "${COST_ROWS:=1,4,16,64}" "${COST_TOKENS:=1,8,32,128}" "${COST_CONTEXTS:=0,256,1024}" "${COST_LAYERS:=2,4}"
+  : "${COST_REPS:=5}"
+  : "${SELF_ROWS:=1,4,16,64,144}" "${SELF_TOKENS:=1,8,32,128,256}" "${SELF_CONTEXTS:=0,128,256}"
+fi
+: "${PROMPTS:=synthetic}" "${WARMUP:=1}" "${SELFCHECK:=1}" "${COST_ARCHS:=}"
+: "${COST_ROLES:=ar=qwen3-8b,diffusion=llada-8b,drafter=qwen3-0.6b}"
+
+shipped() { "$PY" -c "from dllm.eval.bench import DEFAULT_MODELS; print(DEFAULT_MODELS['$1'])"; }
+MODEL_AR=${MODEL_AR:-$(shipped ar)}
+MODEL_DIFFUSION=${MODEL_DIFFUSION:-$(shipped diffusion)}
+MODEL_DRAFTER=${MODEL_DRAFTER:-$(shipped drafter)}
+
+common=(--device "${DEVICE:-auto}" --dtype "${DTYPE:-bfloat16}")
+[[ -n "${THREADS:-}" ]] && common+=(--threads "$THREADS")
+roles=()
+for pair in ${COST_ROLES//,/ }; do roles+=(--role "$pair"); done
+archs=()
+for arch in ${COST_ARCHS//,/ }; do archs+=(--arch "$arch"); done
+
+mkdir -p "$OUT"
+echo "== study -> $OUT (SMALL=$SMALL)"
+"$PY" -m dllm.eval.bench "${common[@]}" --model "ar=$MODEL_AR" --model "diffusion=$MODEL_DIFFUSION" \
+  --model "drafter=$MODEL_DRAFTER" --prompts "$PROMPTS" --num-prompts "$NUM_PROMPTS" \
+  --max-new-tokens "$MAX_NEW_TOKENS" --batch-size "$BATCH_SIZE" --repeats "$REPEATS" --warmup "$WARMUP" \
+  --output "$OUT" 2>&1 | tee "$OUT/study.log"
+
+echo "== cost model and projection (${COST_ROLES})"
+"$PY" -m dllm.eval.bench --cost-model "${common[@]}" --results "$OUT/results.json" "${roles[@]}" \
+  ${archs[@]+"${archs[@]}"} --cost-rows "$COST_ROWS" --cost-tokens "$COST_TOKENS" \
+  --cost-contexts "$COST_CONTEXTS" --cost-layers "$COST_LAYERS" --cost-reps "$COST_REPS" \
+  --output "$OUT" 2>&1 | tee "$OUT/cost.log"
+
+if [[ "$SELFCHECK" != 0 ]]; then
+  echo "== self-check: the shipped shapes on this device, projected from the same results"
+  "$PY" -m dllm.eval.bench --cost-model "${common[@]}" --results "$OUT/results.json" \
+    --role "ar=$MODEL_AR" --role "diffusion=$MODEL_DIFFUSION" --role "drafter=$MODEL_DRAFTER" \
+    --cost-rows "$SELF_ROWS" --cost-tokens "$SELF_TOKENS" --cost-contexts "$SELF_CONTEXTS" \
+    --cost-layers "${SELF_LAYERS:-full}" --cost-reps "$COST_REPS" \
+    --output "$OUT/selfcheck" 2>&1 | tee "$OUT/selfcheck.log"
+fi
+echo "== done: $OUT"
