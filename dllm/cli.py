@@ -54,15 +54,12 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
 
 def parse_option(text: str) -> tuple[str, object]:
     """KEY=VALUE with the value read as int, float, bool, None or str."""
-    if "=" not in text:
+    from dllm.eval.runner import parse_value
+
+    key, sep, value = text.partition("=")
+    if not sep or not key:
         raise SystemExit(f"--option expects KEY=VALUE, got {text!r}")
-    key, value = text.split("=", 1)
-    for cast in (int, float):
-        try:
-            return key, cast(value)
-        except ValueError:
-            pass
-    return key, {"none": None, "true": True, "false": False}.get(value.lower(), value)
+    return key, parse_value(value)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -83,6 +80,8 @@ def _generate(args: argparse.Namespace) -> int:
     if args.sampler == "ar_spec" and "drafter" not in options:
         options["drafter"] = _drafter(args, model)
     text = _format_prompt(args, tokenizer, default_model=args.model is None)
+    from dllm.eval.runner import model_device
+
     ids = torch.tensor([tokenizer(text, add_special_tokens=not args.chat)["input_ids"]], device=model_device(model))
     if not args.json:
         print(f"model {path} ({type(model).__name__}), sampler {args.sampler}, loaded in "
@@ -131,14 +130,6 @@ def _load(path: str, kind: str, device, dtype):
     if hasattr(model, "eval"):
         model.eval()
     return model
-
-
-def model_device(model):
-    """The device a model's inputs go to (adapters say; torch modules have parameters)."""
-    device = getattr(model, "device", None)
-    if device is None and hasattr(model, "parameters"):
-        device = next(model.parameters()).device
-    return device or "cpu"
 
 
 def _drafter(args, model):

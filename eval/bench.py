@@ -43,6 +43,7 @@ import torch
 
 import dllm
 from dllm.eval import cost_model
+from dllm.eval.runner import parse_value
 from dllm.samplers import SAMPLERS
 
 SHIPPED = Path(dllm.__file__).resolve().parent / "weights"
@@ -139,21 +140,12 @@ def parse_config(text: str) -> RunConfig:
         if "=" not in item:
             raise ValueError(f"--config items are key=value separated by ';', got {item!r} in {text!r}")
         key, value = (s.strip() for s in item.split("=", 1))
-        values[key] = _parse_value(value)
+        values[key] = parse_value(value)
     options = SAMPLERS[values["sampler"]].options if values.get("sampler") in SAMPLERS else {}
     for key, option in options.items():  # "none" is a value of choice options (cache=none), None elsewhere
         if key in values and values[key] is None and isinstance(option.default, str):
             values[key] = "none"
     return RunConfig.from_mapping(values)
-
-
-def _parse_value(text: str) -> Any:
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return {"none": None, "true": True, "false": False}.get(text.lower(), text)
 
 
 def _is_number(value, minimum: float) -> bool:
@@ -792,7 +784,7 @@ def main(argv: list[str] | None = None) -> int:
     configs += [parse_config(text) for text in args.config]
     configs = configs or [parse_config(text) for text in DEFAULT_STUDY]
     flags = {f.name: getattr(args, f.name) for f in fields(Settings) if getattr(args, f.name, None) is not None}
-    task_options = {k: _parse_value(v) for k, v in _pairs(args.task_option, "--task-option").items()}
+    task_options = {k: parse_value(v) for k, v in _pairs(args.task_option, "--task-option").items()}
     settings = Settings(**{**study, **flags, **({"task_options": task_options} if task_options else {})})
     aliases = {**DEFAULT_MODELS, **file_models, **_pairs(args.model, "--model")}
     tokenizer = None
