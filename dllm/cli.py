@@ -156,13 +156,14 @@ def _format_prompt(args, tokenizer, default_model: bool) -> str:
 def _recorder(events: list[dict], tokenizer, model, show: bool):
     """A sampler callback that keeps every step's event and optionally prints the canvas."""
     mask_id = getattr(model, "mask_token_id", None)
+    stops = set(getattr(model, "stop_token_ids", None) or [getattr(model, "eos_token_id", None)]) - {None}
 
     def record(event: dict) -> None:
         kept = {k: (v.detach().cpu().clone() if hasattr(v, "detach") else v) for k, v in event.items()}
         events.append(kept)
         if show:
             row = kept["x"][0].tolist()
-            print(f"  step {len(events):3d} | " + render_canvas(row, tokenizer, mask_id, _emitted(kept)))
+            print(f"  step {len(events):3d} | " + render_canvas(row, tokenizer, mask_id, _emitted(kept), stops))
 
     return record
 
@@ -184,10 +185,12 @@ def torch_bool():
     return torch.bool
 
 
-def render_canvas(row: list[int], tokenizer, mask_id, fresh: set[int]) -> str:
-    """The answer region as text: masks as '_', tokens revealed this step in [brackets]."""
+def render_canvas(row: list[int], tokenizer, mask_id, fresh: set[int], stops: set[int] = frozenset()) -> str:
+    """The sequence as text: masks as '_', tokens revealed this step in [brackets], nothing after EOS."""
     pieces = []
     for position, token in enumerate(row):
+        if token in stops and position not in fresh:
+            break
         if token == mask_id:
             pieces.append("_")
             continue
