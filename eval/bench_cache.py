@@ -42,6 +42,19 @@ def _load(path: str | None, layout: str, block_length: int, max_len: int, dtype:
     return model.to(dtype)
 
 
+def _prompts(args, model) -> torch.Tensor:
+    """Held-out synthetic questions (their last --prompt-length tokens) for a trained model, else random ids."""
+    if not args.model:
+        return torch.randint(3, model.vocab_size, (args.batch_size, args.prompt_length),
+                             generator=torch.Generator().manual_seed(1))
+    from dllm.data.synthetic import format_example, heldout_set
+    from dllm.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(f"{args.model}/tokenizer.json")
+    rows = [tokenizer(format_example(p["question"]))["input_ids"] for p in heldout_set()[: args.batch_size]]
+    return torch.tensor([row[-args.prompt_length :] for row in rows])
+
+
 def _time(model, prompts, repeats: int, **kw) -> dict:
     """Median over ``repeats`` timed runs (after one warm-up run) of one generate call."""
     times, out = [], None
@@ -83,9 +96,7 @@ def main(argv: list[str] | None = None) -> dict:
     dtype = getattr(torch, args.dtype)
     max_len = args.prompt_length + args.new_tokens + 8
     model = _load(args.model, "block_causal", args.block_length, max_len, dtype)
-    prompts = torch.randint(
-        3, model.vocab_size, (args.batch_size, args.prompt_length), generator=torch.Generator().manual_seed(1)
-    )
+    prompts = _prompts(args, model)
     common = dict(max_new_tokens=args.new_tokens, temperature=args.temperature, block_length=args.block_length)
     runs = {
         "sequential": _time(model, prompts, args.repeats, sampler="sequential", cache="none", **common),
