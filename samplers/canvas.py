@@ -183,12 +183,17 @@ class FullSession:
 
 class BlockCacheSession:
     """Prompt and finished blocks live in a KV cache; calls cover the active block only (exact for a
-    model whose attention is causal across blocks)."""
+    model whose attention is causal across blocks).
+
+    With ``lookahead`` the view also holds the next block: the active block never attends to it, so its
+    logits are unchanged, and the call yields logits for the next block too (fef's stale drafts use
+    them, so a new block needs no separate draft call).
+    """
 
     exact = True
 
-    def __init__(self, canvas: Canvas, caller: Caller):
-        self.canvas, self.caller = canvas, caller
+    def __init__(self, canvas: Canvas, caller: Caller, lookahead: bool = False):
+        self.canvas, self.caller, self.lookahead = canvas, caller, lookahead
         self.cache = caller.model.new_cache()
         self.cached_until = 0  # canvas positions [0, cached_until) are in the cache
 
@@ -203,16 +208,17 @@ class BlockCacheSession:
 
     def view(self, rows: torch.Tensor) -> View:
         start, end = self.canvas.span(self.block)
-        region = torch.ones(end - start, dtype=torch.bool, device=rows.device)
+        stop = min(end + self.canvas.block_length, self.canvas.x.shape[1]) if self.lookahead else end
+        region = torch.arange(stop - start, device=rows.device) < end - start
 
         def call(tokens: torch.Tensor, which: torch.Tensor) -> torch.Tensor:
             return self.caller.cached(tokens, self.cache, rows[which], served=int(which.unique().numel()),
-                                      keys=slice(0, end), rows=rows[which], append=False)
+                                      keys=slice(0, stop), rows=rows[which], append=False)
 
         def structured(tokens, *args):
-            return self.caller.structured(tokens, rows, slice(0, end), *args, cache=self.cache, rows=rows)
+            return self.caller.structured(tokens, rows, slice(0, stop), *args, cache=self.cache, rows=rows)
 
-        return View(self.canvas.x[rows, start:end], region, rows, start, 0, self.canvas.mask_token_id, call,
+        return View(self.canvas.x[rows, start:stop], region, rows, start, 0, self.canvas.mask_token_id, call,
                     structured)
 
 

@@ -28,7 +28,9 @@ def run(
     if getattr(model, "block_size", None) is not None:
         real = prompt.new_full((prompt.shape[0],), prompt.shape[1])
         offset = (attention_mask.sum(dim=1) if attention_mask is not None else real).long()
-    session = SESSIONS[choose_session(cache, model, block_length)](canvas, Caller(model, stats, mask, offset))
+    mode = choose_session(cache, model, block_length)
+    lookahead = {"lookahead": True} if mode == "block" and getattr(stepper, "lookahead", False) else {}
+    session = SESSIONS[mode](canvas, Caller(model, stats, mask, offset), **lookahead)
     return decode(canvas, session, stepper, callback)
 
 

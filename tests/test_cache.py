@@ -162,15 +162,17 @@ def test_attention_mask_validation():
                       attention_mask=torch.tensor([[0, 1]]))
 
 
-def test_fef_with_block_cache_is_exact():
-    """Statistical exactness of cached verification on a real (random) block-causal transformer."""
+@pytest.mark.parametrize("draft", ["marginal", "stale"])
+def test_fef_with_block_cache_is_exact(draft):
+    """Statistical exactness of cached verification on a real (random) block-causal transformer; stale
+    drafts also carry the next block's logits over (lookahead)."""
     model = tiny("block_causal", vocab=5, block_size=2, seed=4, eos=None)
     with torch.no_grad():
         model.output.weight.mul_(0.1)  # back to a spread-out distribution over the 4 tokens
         prompt = torch.tensor([0, 3])
         expected = sequential_distribution(model, prompt, 4, block_length=2)
         out = dllm.generate(model, prompt.expand(6000, -1), sampler="fef", max_new_tokens=4, block_length=2,
-                            window=2, cache="block", generator=torch.Generator().manual_seed(0))
+                            window=2, cache="block", draft=draft, generator=torch.Generator().manual_seed(0))
     assert out.options["cache"] == "block"
     assert chi_square_pvalue(out.sequences[:, 2:], expected) > ALPHA
     assert out.stats.accepted < out.stats.drafted
