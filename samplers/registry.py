@@ -41,7 +41,12 @@ class SamplerSpec:
             raise TypeError(f"unknown option(s) {unknown} for sampler {self.name!r}; "
                             f"allowed: {sorted(self.options) + ['callback']}")
         values = {name: given.get(name, opt.default) for name, opt in self.options.items()}
-        # block_length / steps default to max_new_tokens (also when passed as None).
+        # block_length / steps default to max_new_tokens (also when passed as None), except that a
+        # block-causal model's blocks are its own block_size when that divides max_new_tokens: decoding
+        # then matches training and the exact block cache applies.
+        block_size = getattr(model, "block_size", None)
+        if values.get("block_length") in (MAX_NEW, None) and block_size and max_new_tokens % block_size == 0:
+            values["block_length"] = block_size
         values = {name: max_new_tokens if v is MAX_NEW or (v is None and self.options[name].default is MAX_NEW)
                   else v for name, v in values.items()}
         for name, opt in self.options.items():
