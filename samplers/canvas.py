@@ -196,11 +196,19 @@ class BlockCacheSession:
         self.canvas, self.caller, self.lookahead = canvas, caller, lookahead
         self.cache = caller.model.new_cache()
         self.cached_until = 0  # canvas positions [0, cached_until) are in the cache
+        # A model that can commit a shared prefix during a copies call lets the finished block ride along
+        # with the next block's first call instead of costing a call of its own.
+        self.folds = bool(getattr(caller.model, "commits_prefix", False))
 
     def begin_block(self, block: int) -> None:
         self.block = block
         start, _ = self.canvas.span(block)
-        if start > self.cached_until:  # append the prompt (block 0) or the block just finished
+        if start > self.cached_until and not (self.folds and block > 0):
+            self._fill(start)
+
+    def _fill(self, start: int) -> None:
+        """Append canvas positions [cached_until, start) (the prompt, or a finished block) to the cache."""
+        if start > self.cached_until:
             rows = torch.arange(self.canvas.x.shape[0], device=self.canvas.x.device)
             chunk = self.canvas.x[:, self.cached_until : start]
             self.caller.cached(chunk, self.cache, rows, served=len(rows), keys=slice(0, start), append=True)
@@ -212,10 +220,17 @@ class BlockCacheSession:
         region = torch.arange(stop - start, device=rows.device) < end - start
 
         def call(tokens: torch.Tensor, which: torch.Tensor) -> torch.Tensor:
-            return self.caller.cached(tokens, self.cache, rows[which], served=int(which.unique().numel()),
-                                      keys=slice(0, stop), rows=rows[which], append=False)
+            pending = start - self.cached_until  # a finished block not yet in the cache: commit it now
+            if pending:
+                tokens = torch.cat([self.canvas.x[rows[which], self.cached_until : start], tokens], dim=1)
+            logits = self.caller.cached(tokens, self.cache, rows[which], served=int(which.unique().numel()),
+                                        keys=slice(0, stop), rows=rows[which], append=False,
+                                        **({"commit": pending} if pending else {}))
+            self.cached_until = start
+            return logits[:, pending:]
 
         def structured(tokens, *args):
+            self._fill(start)
             return self.caller.structured(tokens, rows, slice(0, stop), *args, cache=self.cache, rows=rows)
 
         return View(self.canvas.x[rows, start:stop], region, rows, start, 0, self.canvas.mask_token_id, call,

@@ -334,6 +334,25 @@ def _zeros(*shape: int, device=None) -> Tensor:
     return torch.zeros(shape, dtype=torch.bool, device=device)
 
 
+def _commit_rows(main: KVCache, used: KVCache, rows: Tensor, commit: int) -> None:
+    """Append to ``main`` the first ``commit`` new entries of each cache row's first input in ``used``.
+
+    Rows of ``main`` that served no input get invalid entries, so every row keeps the same length.
+    """
+    start = main.length
+    batch = main.batch_size
+    first = torch.full((batch,), -1, dtype=torch.long, device=rows.device)
+    order = torch.arange(len(rows), device=rows.device)
+    first.scatter_reduce_(0, rows, order, reduce="amin", include_self=False)
+    served = first >= 0
+    pick = first.clamp(min=0)
+    span = slice(start, start + commit)
+    kv = [(k[pick, :, span], v[pick, :, span]) for k, v in zip(used.keys, used.values)]
+    positions = used.positions[pick, span]
+    valid = used.valid[pick, span] & served[:, None]
+    main.append(kv, positions, valid)
+
+
 class TransformerLM(nn.Module):
     """Tokens in, logits out: ``model(input_ids [B, L]) -> logits [B, L, V]`` (float32).
 
@@ -376,6 +395,7 @@ class TransformerLM(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     accepts_attention_mask = True  # capability flags read by the samplers (dllm.protocols)
+    commits_prefix = True  # forward_cached(..., rows=, commit=n) folds a cache fill into a copies call
 
     @property
     def cache_exact(self) -> bool:
@@ -396,15 +416,26 @@ class TransformerLM(nn.Module):
         attention_mask: Tensor | None = None,  # [N, cache.length + n] 0/1 over cached + new keys
         block_offset: int | Tensor = 0,
         position_ids: Tensor | None = None,  # [N, n]; default: continue after the cache
+        commit: int = 0,
     ) -> Tensor:
-        """The protocol's cached call (dllm.protocols): new tokens against the cached prefix.  # [N, n, V]"""
+        """The protocol's cached call (dllm.protocols): new tokens against the cached prefix.  # [N, n, V]
+
+        ``commit`` (with ``rows``): the first ``commit`` tokens of every input are the same for all inputs
+        of a cache row and never attend to the rest (a finished block before the active one, under
+        block-causal attention); their keys/values, taken from each row's first input, are appended to
+        ``cache`` after the call. This folds the cache fill into a verification call.
+        """
+        main = cache
         if rows is not None:
             if append:
                 raise ValueError("forward_cached: rows= reads shared cache rows and cannot append")
             cache = cache.select(rows)
         new_mask = None if attention_mask is None else attention_mask[:, attention_mask.shape[1] - input_ids.shape[1]:]
-        return self.forward(input_ids, attention_mask=new_mask, position_ids=position_ids, cache=cache,
-                            use_cache=append, block_offset=block_offset)
+        logits = self.forward(input_ids, attention_mask=new_mask, position_ids=position_ids, cache=cache,
+                              use_cache=append or commit > 0, block_offset=block_offset)
+        if commit and rows is not None:
+            _commit_rows(main, cache, rows, commit)
+        return logits
 
     def forward(
         self,
