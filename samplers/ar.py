@@ -5,6 +5,8 @@ logits at position i depend only on tokens <= i, so whatever follows a row's end
 
 ``ar_spec`` drafters:
 - a CausalModel: ``num_draft_tokens`` sequential calls, each draft sampled from softmax(logits / T);
+  with its own KV cache when it has one (``cache`` applies to target and drafter alike), so each call
+  feeds only the previous draft (plus, once a round, the tokens the target accepted);
 - a DiffusionModel: one call on the sequence followed by mask tokens up to a fixed length
   (prompt + max_new_tokens + num_draft_tokens, so a row's drafts never depend on the rest of the
   batch); drafts sampled independently from its marginals at the next positions;
@@ -71,12 +73,14 @@ def ar_spec(
     lengths = torch.full((batch,), prompt_len, dtype=torch.long, device=prompt.device)
     rows = torch.arange(batch, device=prompt.device)
     kv = model.new_cache() if _use_cache(cache, model) else None  # holds [0, min(len) - 1) of every row
+    causal_drafter = not isinstance(drafter, str) and not is_diffusion_model(drafter)
+    draft_kv = drafter.new_cache() if causal_drafter and _use_cache(cache, drafter) else None
     while rows.numel():
         length = lengths[rows]
         num_drafts = torch.clamp(total - length - 1, max=num_draft_tokens)  # leave room for the bonus
         drafts, draft_logits, num_drafts = _draft(
             drafter, draft_caller, seq[rows], rows, length, num_drafts, num_draft_tokens, temperature, generator,
-            max_ngram,
+            max_ngram, draft_kv,
         )
         target = _target_rows(caller, kv, seq[rows], rows, length, drafts)  # [R, K + 1, V]
         outcome = verify_logits(drafts, draft_logits, target, num_drafts, temperature=temperature,
@@ -92,10 +96,16 @@ def ar_spec(
                       "num_drafts": num_drafts, "num_accepted": outcome.num_accepted})
         keep = (lengths[rows] < total) & ~stopped
         rows = rows[keep]
-        if kv is not None and rows.numel():
-            if not bool(keep.all()):
-                kv = kv.select(keep.nonzero().squeeze(-1))
-            kv.crop(int(lengths[rows].min()) - 1)
+        if rows.numel():
+            kept = None if bool(keep.all()) else keep.nonzero().squeeze(-1)
+            accepted = int(lengths[rows].min()) - 1  # tokens every row holds for sure (drafts match before)
+            if kv is not None:
+                kv = kv if kept is None else kv.select(kept)
+                kv.crop(accepted)
+            if draft_kv is not None:
+                draft_kv = draft_kv if kept is None else draft_kv.select(kept)
+                # Entries past int(length.min()) + K - 1 saw padding where a shorter row's last draft goes.
+                draft_kv.crop(min(draft_kv.length, accepted, int(length.min()) + num_draft_tokens - 1))
     return seq
 
 
@@ -159,7 +169,7 @@ def _append(seq: torch.Tensor, length: torch.Tensor, tokens: torch.Tensor) -> to
     return out
 
 
-def _draft(drafter, caller, seq, rows, length, num_drafts, width, temperature, generator, max_ngram):
+def _draft(drafter, caller, seq, rows, length, num_drafts, width, temperature, generator, max_ngram, kv):
     """Drafts [R, K], the logits they were drawn from [R, K, V] (None: point masses), valid drafts [R]."""
     if isinstance(drafter, str):
         drafts, found = _ngram_drafts(seq, length, num_drafts, width, max_ngram)
@@ -170,7 +180,7 @@ def _draft(drafter, caller, seq, rows, length, num_drafts, width, temperature, g
         flat_rows = rows.repeat_interleave(logits.shape[1])
         drafts = sample_from_logits(flat, temperature, bind_rows(generator, flat_rows)).reshape(logits.shape[:2])
         return drafts, logits, num_drafts
-    drafts, logits = _causal_drafts(caller, seq, rows, length, width, temperature, generator)
+    drafts, logits = _causal_drafts(caller, seq, rows, length, width, temperature, generator, kv)
     return drafts, logits, num_drafts
 
 
@@ -189,14 +199,26 @@ def _diffusion_draft_logits(drafter, caller, seq, rows, length, width) -> torch.
     return forbid_token(logits[torch.arange(seq.shape[0], device=seq.device)[:, None], at], drafter.mask_token_id)
 
 
-def _causal_drafts(caller, seq, rows, length, width, temperature, generator):
-    """``width`` sequential draft calls of a causal drafter -> (drafts [R, K], their logits [R, K, V])."""
+def _causal_drafts(caller, seq, rows, length, width, temperature, generator, kv=None):
+    """``width`` sequential draft calls of a causal drafter -> (drafts [R, K], their logits [R, K, V]).
+
+    With a cache, call j feeds positions from min(len) + j - 1 on: cached entries before that hold final
+    tokens for every row (a longer row's entries there are its own tokens or earlier drafts), so a batch
+    of equal lengths feeds one token per call.
+    """
     index = torch.arange(seq.shape[0], device=seq.device)
     drafts = torch.zeros((seq.shape[0], width), dtype=torch.long, device=seq.device)
+    shortest = int(length.min())
     steps = []
     for j in range(width):
         extended = _append(seq, length, drafts[:, :j])
-        logits = caller(extended, rows, served=len(rows))[index, length + j - 1]
+        if kv is None:
+            logits = caller(extended, rows, served=len(rows))[index, length + j - 1]
+        else:
+            start = min(kv.length, shortest + j - 1)
+            kv.crop(start)
+            logits = caller.cached(extended[:, start:], kv, rows, served=len(rows), keys=slice(0, extended.shape[1]),
+                                   append=True)[index, length + j - 1 - start]
         drafts[:, j] = sample_from_logits(logits, temperature, bind_rows(generator, rows))
         steps.append(logits)
     return drafts, torch.stack(steps, dim=1)

@@ -11,6 +11,7 @@ import dllm
 from dllm.models.oracle import HMMOracle, InconsistentModel
 from dllm.samplers import sequential_distribution
 
+from model_stubs import Replaying
 from stat_tools import ALPHA, chi_square_pvalue
 
 N_SAMPLES = 12000
@@ -88,10 +89,15 @@ def test_ar_exact(oracle):
     assert chi_square_pvalue(answers, expected) > ALPHA
 
 
-@pytest.mark.parametrize("drafter_kind", ["ngram", "causal", "diffusion"])
+def drafters(oracle):
+    causal = oracle.perturbed(0.5).as_causal()
+    return {"ngram": "ngram", "causal": causal, "causal_cached": Replaying(causal), "diffusion": oracle.perturbed(0.5)}
+
+
+@pytest.mark.parametrize("drafter_kind", ["ngram", "causal", "causal_cached", "diffusion"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_ar_spec_exact(oracle, drafter_kind, temperature):
-    drafter = {"ngram": "ngram", "causal": oracle.perturbed(0.5).as_causal(), "diffusion": oracle.perturbed(0.5)}
+    drafter = drafters(oracle)
     answers, stats = sample(oracle.as_causal(), "ar_spec", temperature=temperature,
                             drafter=drafter[drafter_kind], num_draft_tokens=3, seed=5)
     expected = sequential_distribution(oracle.as_causal(), PROMPT, GEN, temperature=temperature)
@@ -124,11 +130,27 @@ def test_fef_greedy_equals_sequential(inconsistent, order, window, draft, block)
     assert torch.equal(fef.sequences, seq.sequences)
 
 
-@pytest.mark.parametrize("drafter_kind", ["ngram", "causal", "diffusion"])
+@pytest.mark.parametrize("drafter_kind", ["ngram", "causal", "causal_cached", "diffusion"])
 def test_ar_spec_greedy_equals_ar(oracle, drafter_kind):
-    drafter = {"ngram": "ngram", "causal": oracle.perturbed(0.5).as_causal(), "diffusion": oracle.perturbed(0.5)}
+    drafter = drafters(oracle)
     prompts = torch.tensor([[0, 2, 1, 0, 2], [1, 1, 1, 1, 1], [2, 0, 2, 0, 2]])
     spec = dllm.generate(oracle.as_causal(), prompts, sampler="ar_spec", max_new_tokens=9, temperature=0.0,
                          drafter=drafter[drafter_kind], num_draft_tokens=3)
     plain = dllm.generate(oracle.as_causal(), prompts, sampler="ar", max_new_tokens=9, temperature=0.0)
     assert torch.equal(spec.sequences, plain.sequences)
+
+
+@pytest.mark.parametrize("num_draft_tokens,scale", [(1, 0.1), (3, 0.5)])
+def test_cached_causal_drafter_replays_the_uncached_one(oracle, num_draft_tokens, scale):
+    """The drafter's cache changes only the work: same drafts, same output, fewer tokens fed (ragged rows)."""
+    causal = oracle.perturbed(scale).as_causal()
+    cached = Replaying(causal)
+    prompts = torch.tensor([[0, 2, 1], [1, 1, 1], [2, 0, 2], [0, 0, 1]]).repeat(4, 1)
+    runs = [dllm.generate(oracle.as_causal(), prompts, sampler="ar_spec", max_new_tokens=12, drafter=drafter,
+                          num_draft_tokens=num_draft_tokens, generator=torch.Generator().manual_seed(3))
+            for drafter in (causal, cached)]
+    assert torch.equal(runs[0].sequences, runs[1].sequences)
+    assert runs[0].stats.drafted == runs[1].stats.drafted and runs[0].stats.accepted == runs[1].stats.accepted
+    assert 0 < runs[1].stats.accepted < runs[1].stats.drafted  # rows accept different numbers: ragged
+    assert runs[1].stats.forward_tokens_draft < runs[0].stats.forward_tokens_draft
+    assert 0 < cached.fed_tokens == runs[1].stats.forward_tokens_draft
