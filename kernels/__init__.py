@@ -1,10 +1,12 @@
 """Hot-path kernels, each beside a torch reference with the same signature (installed as dllm.kernels).
 
 Dispatchers (``sample_confidence``, ``verify_logits``) run the Triton kernel on CUDA tensors when Triton
-is installed and the reference elsewhere. The Triton modules (``sampling_triton``, ``verify_triton``)
+is installed and the reference elsewhere; ``DLLM_KERNELS`` or ``use_kernels(mode)`` changes that
+(``dllm.kernels.dispatch``). The Triton modules (``sampling_triton``, ``verify_triton``)
 import ``triton`` and are loaded only when used.
 """
 
+from .dispatch import kernel_mode, use_kernels
 from .noise import draw_seed
 from .sampling import SampleConfidence, sample_confidence, sample_confidence_reference
 from .verify import VerifyResult, verify_logits, verify_logits_reference, verify_probs
@@ -13,8 +15,10 @@ __all__ = [
     "SampleConfidence",
     "VerifyResult",
     "draw_seed",
+    "kernel_mode",
     "sample_confidence",
     "sample_confidence_reference",
+    "use_kernels",
     "verify_logits",
     "verify_logits_reference",
     "verify_probs",

@@ -80,20 +80,50 @@ def main(argv: list[str] | None = None) -> dict:
         "logits_dtype": "bfloat16",
         "copy_bandwidth_gb_s": _copy_bandwidth(device) / 1e9,
         "goal_speedup": GOAL_SPEEDUP,
-        "cases": [_run_case(case, vocab, device, iters, kernels) for case in cases],
+        "complete": False,
+        "cases": [],
     }
-    for case in report["cases"]:
-        achieved = case["kernel_gb_s"]
-        case["bandwidth_fraction"] = None if achieved is None else achieved / report["copy_bandwidth_gb_s"]
+    began = time.perf_counter()
+    for case in cases:
+        # One case's failure (out of memory, a compile error) is recorded and the others still run; the
+        # report is rewritten after every case, so an interrupted run keeps what it measured.
+        try:
+            result = _run_case(case, vocab, device, iters, kernels)
+            achieved = result["kernel_gb_s"]
+            result["bandwidth_fraction"] = None if achieved is None else achieved / report["copy_bandwidth_gb_s"]
+        except Exception as error:
+            result = asdict(case) | {"error": f"{type(error).__name__}: {error}"[:2000], "speedup": None}
+        report["cases"].append(result)
+        report["elapsed_s"] = time.perf_counter() - began
+        _write(args.output, report)
+        print(_summary_line(result), flush=True)
     timed = [case for case in report["cases"] if case["speedup"] is not None]
-    report["all_meet_goal"] = bool(timed) and all(
+    report["all_meet_goal"] = len(timed) == len(report["cases"]) > 0 and all(
         case["speedup"] >= GOAL_SPEEDUP and case["tokens_match"] and not case["kernel_float64_rows_intermediate"]
         for case in timed
     )
-    with open(args.output, "w") as f:
-        json.dump(report, f, indent=2)
+    report["complete"] = True
+    _write(args.output, report)
     print(json.dumps(report, indent=2))
     return report
+
+
+def _write(path: str, report: dict) -> None:
+    """Write the report atomically (a partial file never replaces a good one)."""
+    temporary = f"{path}.tmp"
+    with open(temporary, "w") as f:
+        json.dump(report, f, indent=2)
+    os.replace(temporary, path)
+
+
+def _summary_line(result: dict) -> str:
+    name = f"{result['kernel']} rows={result['rows']} width={result['width']} T={result['temperature']}"
+    if result.get("error"):
+        return f"{name}: ERROR {result['error'].splitlines()[0]}"
+    if result["speedup"] is None:
+        return f"{name}: reference {result['reference_s'] * 1e3:.3f} ms (no Triton)"
+    return (f"{name}: kernel {result['kernel_s'] * 1e3:.3f} ms, reference {result['reference_s'] * 1e3:.3f} ms, "
+            f"{result['speedup']:.2f}x, tokens match {result['tokens_match']}")
 
 
 def _load_kernels() -> dict:

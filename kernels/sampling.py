@@ -64,7 +64,8 @@ def sample_confidence(
     gumbels: torch.Tensor | None = None,  # [N, V] float64
     seed: int | None = None,
 ) -> SampleConfidence:
-    """Dispatcher: the fused Triton kernel for CUDA tensors when Triton is installed, else the reference."""
+    """Dispatcher: the fused Triton kernel for CUDA tensors when Triton is installed, else the reference
+    (``dllm.kernels.dispatch`` has the rule and how to override it)."""
     implementation = sample_confidence_reference
     if use_triton(logits) and not isinstance(generator, RowGenerators):
         from .sampling_triton import sample_confidence_triton

@@ -127,7 +127,8 @@ def verify_logits(
     gumbels: torch.Tensor | None = None,  # [B, V] float64
     seed: int | None = None,
 ) -> VerifyResult:
-    """Dispatcher: the fused Triton kernel for CUDA tensors when Triton is installed, else the reference."""
+    """Dispatcher: the fused Triton kernel for CUDA tensors when Triton is installed, else the reference
+    (``dllm.kernels.dispatch`` has the rule and how to override it)."""
     implementation = verify_logits_reference
     if use_triton(target_logits) and not isinstance(generator, RowGenerators):
         from .verify_triton import verify_logits_triton
