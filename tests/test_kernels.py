@@ -364,6 +364,7 @@ def test_bench_smoke(tmp_path):
     bench.main(["--smoke", "--output", str(tmp_path / "smoke.json")])
     report = json.loads((tmp_path / "smoke.json").read_text())
     assert len(report["cases"]) == len(bench.SMOKE_CASES)
+    assert report["complete"] and not any(case.get("error") for case in report["cases"])
     if HAVE_TRITON:
         assert all(case["tokens_match"] for case in report["cases"])
 
