@@ -7,9 +7,12 @@ logits at position i depend only on tokens <= i, so whatever follows a row's end
 - a CausalModel: ``num_draft_tokens`` sequential calls, each draft sampled from softmax(logits / T);
   with its own KV cache when it has one (``cache`` applies to target and drafter alike), so each call
   feeds only the previous draft (plus, once a round, the tokens the target accepted);
-- a DiffusionModel: one call on the sequence followed by mask tokens up to a fixed length
-  (prompt + max_new_tokens + num_draft_tokens, so a row's drafts never depend on the rest of the
-  batch); drafts sampled independently from its marginals at the next positions;
+- a DiffusionModel: one call on the sequence followed by mask tokens, drafts sampled independently
+  from its marginals at the next positions. A bidirectional one sees a canvas of fixed length (prompt +
+  max_new_tokens + num_draft_tokens, so a row's drafts never depend on the rest of the batch). A
+  block-causal one (``block_size``) gets blocks anchored at the answer start, as in training and in
+  ``fef``: the canvas ends with the block holding the last draft (later blocks cannot be seen), and with
+  a cache, finished blocks are computed once, so a call feeds about one block per row;
 - ``"ngram"``: prompt lookup: the continuation of the latest earlier occurrence of the sequence's last
   n tokens (n = ``max_ngram`` .. 1), proposed as point masses.
 The shared ``verify`` makes the output distributed exactly as ``ar`` at the same temperature.
@@ -74,13 +77,14 @@ def ar_spec(
     rows = torch.arange(batch, device=prompt.device)
     kv = model.new_cache() if _use_cache(cache, model) else None  # holds [0, min(len) - 1) of every row
     causal_drafter = not isinstance(drafter, str) and not is_diffusion_model(drafter)
-    draft_kv = drafter.new_cache() if causal_drafter and _use_cache(cache, drafter) else None
+    block_drafter = not isinstance(drafter, str) and is_diffusion_model(drafter) and _block_size(drafter)
+    draft_kv = drafter.new_cache() if (causal_drafter or block_drafter) and _use_cache(cache, drafter) else None
     while rows.numel():
         length = lengths[rows]
         num_drafts = torch.clamp(total - length - 1, max=num_draft_tokens)  # leave room for the bonus
         drafts, draft_logits, num_drafts = _draft(
             drafter, draft_caller, seq[rows], rows, length, num_drafts, num_draft_tokens, temperature, generator,
-            max_ngram, draft_kv,
+            max_ngram, draft_kv, prompt_len,
         )
         target = _target_rows(caller, kv, seq[rows], rows, length, drafts)  # [R, K + 1, V]
         outcome = verify_logits(drafts, draft_logits, target, num_drafts, temperature=temperature,
@@ -104,8 +108,9 @@ def ar_spec(
                 kv.crop(accepted)
             if draft_kv is not None:
                 draft_kv = draft_kv if kept is None else draft_kv.select(kept)
-                # Entries past int(length.min()) + K - 1 saw padding where a shorter row's last draft goes.
-                draft_kv.crop(min(draft_kv.length, accepted, int(length.min()) + num_draft_tokens - 1))
+                if causal_drafter:  # (a block-causal drafter's cache holds finished blocks only: nothing to undo)
+                    # Entries past min(length) + K - 1 saw padding where a shorter row's last draft goes.
+                    draft_kv.crop(min(draft_kv.length, accepted, int(length.min()) + num_draft_tokens - 1))
     return seq
 
 
@@ -169,13 +174,17 @@ def _append(seq: torch.Tensor, length: torch.Tensor, tokens: torch.Tensor) -> to
     return out
 
 
-def _draft(drafter, caller, seq, rows, length, num_drafts, width, temperature, generator, max_ngram, kv):
+def _draft(drafter, caller, seq, rows, length, num_drafts, width, temperature, generator, max_ngram, kv,
+           prompt_len):
     """Drafts [R, K], the logits they were drawn from [R, K, V] (None: point masses), valid drafts [R]."""
     if isinstance(drafter, str):
         drafts, found = _ngram_drafts(seq, length, num_drafts, width, max_ngram)
         return drafts, None, found
     if is_diffusion_model(drafter):
-        logits = _diffusion_draft_logits(drafter, caller, seq, rows, length, width)
+        if _block_size(drafter):
+            logits = _block_draft_logits(drafter, caller, seq, rows, length, width, prompt_len, kv)
+        else:
+            logits = _diffusion_draft_logits(drafter, caller, seq, rows, length, width)
         flat = logits.reshape(-1, logits.shape[-1])
         flat_rows = rows.repeat_interleave(logits.shape[1])
         drafts = sample_from_logits(flat, temperature, bind_rows(generator, flat_rows)).reshape(logits.shape[:2])
@@ -184,18 +193,53 @@ def _draft(drafter, caller, seq, rows, length, num_drafts, width, temperature, g
     return drafts, logits, num_drafts
 
 
+def _block_size(model) -> int | None:
+    size = getattr(model, "block_size", None)
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
+
+
+def _draft_canvas(seq, length, size: int, mask_token_id: int) -> torch.Tensor:
+    """Each row's tokens before its length, then mask tokens, over ``size`` positions -> [R, size]."""
+    canvas = torch.full((seq.shape[0], size), mask_token_id, dtype=torch.long, device=seq.device)
+    known = min(size, seq.shape[1])
+    keep = torch.arange(known, device=seq.device)[None, :] < length[:, None]
+    canvas[:, :known] = torch.where(keep, seq[:, :known], canvas[:, :known])
+    return canvas
+
+
 def _diffusion_draft_logits(drafter, caller, seq, rows, length, width) -> torch.Tensor:
-    """Marginals of a diffusion drafter at the next ``width`` positions, from one call -> [R, K, V]."""
+    """Marginals of a bidirectional diffusion drafter at the next ``width`` positions, one call -> [R, K, V]."""
     size = seq.shape[1] + width  # prompt + max_new_tokens + K: fixed, so a row's drafts ignore the batch
-    canvas = torch.full((seq.shape[0], size), drafter.mask_token_id, dtype=torch.long, device=seq.device)
-    keep = torch.arange(seq.shape[1], device=seq.device)[None, :] < length[:, None]
-    canvas[:, : seq.shape[1]] = torch.where(keep, seq, canvas[:, : seq.shape[1]])
-    extra = {}
-    if getattr(drafter, "block_size", None) is not None:  # line its blocks up with the drafted answer
-        pads = (caller.attention_mask[rows] == 0).sum(dim=1) if caller.attention_mask is not None else 0
-        extra["block_offset"] = length - pads
-    logits = caller(canvas, rows, served=len(rows), **extra)
+    logits = caller(_draft_canvas(seq, length, size, drafter.mask_token_id), rows, served=len(rows))
     at = length[:, None] + torch.arange(width, device=seq.device)
+    return forbid_token(logits[torch.arange(seq.shape[0], device=seq.device)[:, None], at], drafter.mask_token_id)
+
+
+def _block_draft_logits(drafter, caller, seq, rows, length, width, prompt_len, kv) -> torch.Tensor:
+    """Marginals of a block-causal drafter at the next ``width`` positions -> [R, K, V].
+
+    Blocks start at the answer start (canvas position ``prompt_len``). The canvas ends with the block of
+    the batch's last draft (capped at prompt + max_new_tokens + K, the bidirectional canvas, so a row's
+    drafts never depend on the batch: blocks after a row's own are invisible to it). With ``kv`` (holding
+    finished blocks), only positions from the cache's end are fed, and the blocks every row has finished
+    are kept for later rounds.
+    """
+    block = drafter.block_size
+    last = length + width - 1  # [R] each row's last draft position
+    block_end = prompt_len + torch.div(last - prompt_len, block, rounding_mode="floor").add(1).mul(block)
+    size = min(int(block_end.max()), seq.shape[1] + width)
+    canvas = _draft_canvas(seq, length, size, drafter.mask_token_id)
+    pads = (caller.attention_mask[rows] == 0).sum(dim=1) if caller.attention_mask is not None else 0
+    offset = prompt_len - pads + torch.zeros_like(length)  # answer start in position-id coordinates
+    start = 0 if kv is None else kv.length
+    if kv is None:
+        logits = caller(canvas, rows, served=len(rows), block_offset=offset)
+    else:
+        logits = caller.cached(canvas[:, start:], kv, rows, served=len(rows), keys=slice(0, size), append=True,
+                               block_offset=offset)
+        # Blocks before min(length)'s block hold final tokens in every row and never see later blocks.
+        kv.crop(prompt_len + (int(length.min()) - prompt_len) // block * block)
+    at = length[:, None] - start + torch.arange(width, device=seq.device)
     return forbid_token(logits[torch.arange(seq.shape[0], device=seq.device)[:, None], at], drafter.mask_token_id)
 
 

@@ -236,3 +236,90 @@ def test_structured_verifier_is_exact_for_one_layer():
                             generator=torch.Generator().manual_seed(1))
     assert chi_square_pvalue(out.sequences[:, 2:], expected) > ALPHA
     assert out.stats.accepted < out.stats.drafted
+
+
+def test_block_causal_drafter_cache_equals_uncached():
+    """ar_spec with a block-causal diffusion drafter: its block cache changes the work, not the drafts."""
+    model = tiny("causal")
+    drafter = tiny("block_causal", seed=3)
+    common = dict(sampler="ar_spec", drafter=drafter, num_draft_tokens=3, max_new_tokens=14, attention_mask=MASK,
+                  eos_token_id=None)
+    with torch.no_grad():
+        runs = {cache: dllm.generate(model, PROMPTS, cache=cache, temperature=0.0, **common)
+                for cache in ("none", "auto")}
+        reference = dllm.generate(model, PROMPTS, sampler="ar", max_new_tokens=14, temperature=0.0,
+                                  attention_mask=MASK, eos_token_id=None)
+    plain, cached = runs["none"], runs["auto"]
+    assert torch.equal(plain.sequences, cached.sequences) and torch.equal(cached.sequences, reference.sequences)
+    assert (plain.stats.drafted, plain.stats.accepted) == (cached.stats.drafted, cached.stats.accepted)
+    assert cached.stats.forward_tokens_draft < plain.stats.forward_tokens_draft / 2
+
+
+def hmm_and_block_drafter():
+    oracle = dllm.HMMOracle.random(num_states=3, num_tokens=3, seed=0, stickiness=2.0, sharpness=2.0)
+    torch.manual_seed(7)
+    config = TransformerConfig(vocab_size=oracle.vocab_size, dim=16, n_layers=1, n_heads=2, max_seq_len=32,
+                               layout="block_causal", block_size=2, mask_token_id=oracle.mask_token_id)
+    return oracle, TransformerLM(config).eval()
+
+
+def test_block_causal_drafter_rows_are_batch_invariant():
+    """Sampled with one generator per row, a row's output is the row's output alone, though rows accept
+    different numbers of drafts and the drafter's canvas spans the batch's longest row."""
+    oracle, drafter = hmm_and_block_drafter()
+    rows = torch.tensor([[0, 1, 2], [2, 2, 1], [1, 0, 0]])
+    common = dict(sampler="ar_spec", drafter=drafter, num_draft_tokens=3, max_new_tokens=12)
+    seeds = [4, 5, 6]
+    with torch.no_grad():
+        batch = dllm.generate(oracle.as_causal(), rows, **common,
+                              generator=[torch.Generator().manual_seed(s) for s in seeds])
+        for i in range(3):
+            alone = dllm.generate(oracle.as_causal(), rows[i : i + 1], **common,
+                                  generator=[torch.Generator().manual_seed(seeds[i])])
+            assert torch.equal(batch.sequences[i], alone.sequences[0]), i
+    assert 0 < batch.stats.accepted < batch.stats.drafted
+
+
+def test_ar_spec_with_block_causal_drafter_is_exact():
+    """The HMM target with a cached block-causal transformer drafting: the law of ar at T = 1."""
+    oracle, drafter = hmm_and_block_drafter()
+    prompt = torch.tensor([0, 2])
+    with torch.no_grad():
+        out = dllm.generate(oracle.as_causal(), prompt.expand(12000, -1), sampler="ar_spec", drafter=drafter,
+                            num_draft_tokens=3, max_new_tokens=4, generator=torch.Generator().manual_seed(9))
+    expected = sequential_distribution(oracle.as_causal(), prompt, 4)
+    assert chi_square_pvalue(out.sequences[:, 2:], expected) > ALPHA
+    assert 0 < out.stats.accepted < out.stats.drafted
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_block_drafter_logits_equal_each_row_alone(cached):
+    """Over rounds of ragged growth, the drafter's logits at each row's draft positions equal one call on
+    that row alone with blocks anchored at the answer start and the canvas ending with its last draft's block."""
+    from dllm.samplers.ar import _block_draft_logits
+    from dllm.samplers.canvas import Caller
+    from dllm.stats import DecodeStats
+
+    drafter = tiny("block_causal", seed=3)  # block_size 4
+    with torch.no_grad():  # sharper attention, so a stale cache entry moves the logits well past float error
+        for layer in drafter.layers:
+            layer.attn.wqkv.weight.mul_(3.0)
+            layer.attn.wo.weight.mul_(3.0)
+    prompt_len, width, total = 5, 3, 5 + 20
+    torch.manual_seed(0)
+    seq = torch.randint(3, 40, (3, total))
+    caller = Caller(drafter, DecodeStats(), draft=True)
+    kv = drafter.new_cache() if cached else None
+    rows = torch.arange(3)
+    with torch.no_grad():
+        for length in ([5, 5, 5], [6, 8, 5], [9, 9, 7], [13, 10, 12], [15, 17, 16]):
+            length = torch.tensor(length)
+            logits = _block_draft_logits(drafter, caller, seq, rows, length, width, prompt_len, kv)
+            for r in range(3):
+                n = int(length[r])
+                end = min(prompt_len + ((n + width - 1 - prompt_len) // 4 + 1) * 4, total + width)
+                canvas = torch.full((1, end), 2)
+                canvas[0, :n] = seq[r, :n]
+                alone = drafter(canvas, block_offset=torch.tensor([prompt_len]))[0, n : n + width]
+                alone[:, 2] = float("-inf")  # the mask token is never drafted
+                assert torch.allclose(logits[r], alone, atol=1e-4), (length.tolist(), r)
