@@ -35,7 +35,9 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="a folder or hub id for dllm.load (default: the shipped model for the sampler)")
     p.add_argument("--kind", default="auto", help="dllm.load kind: auto, llada, dream, mlm, causal, dllm")
     p.add_argument("--sampler", default="fef")
-    p.add_argument("--drafter", help="ar_spec drafter: 'ngram' or a model folder (default: the shipped drafter)")
+    p.add_argument("--drafter", help="ar_spec drafter: 'ngram' or a model folder (default with the shipped AR "
+                   "model: the shipped diffusion model, 8 drafts per round; the shipped causal drafter is "
+                   "dllm/weights/drafter)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
@@ -82,6 +84,8 @@ def _generate(args: argparse.Namespace) -> int:
         options = {"window": 8, "draft": "stale", **options}
     if args.sampler == "ar_spec" and "drafter" not in options:
         options["drafter"] = _drafter(args, model)
+        if args.drafter is None and args.model is None and not isinstance(options["drafter"], str):
+            options.setdefault("num_draft_tokens", 8)  # the shipped diffusion drafter: fastest measured (README)
     text = _format_prompt(args, tokenizer, default_model=args.model is None)
     from dllm.eval.runner import model_device
 
@@ -138,7 +142,8 @@ def _load(path: str, kind: str, device, dtype):
 def _drafter(args, model):
     if args.drafter == "ngram":
         return "ngram"
-    path = args.drafter or (str(DEFAULTS["drafter"]) if args.model is None else None)
+    # With the shipped AR model the shipped diffusion model drafts: 8 tokens per call measured 2.1x ar.
+    path = args.drafter or (str(DEFAULTS["diffusion"]) if args.model is None else None)
     if path is None or not Path(path).exists() and args.drafter is None:
         return "ngram"
     return _load(path, "auto", args.device, args.dtype)

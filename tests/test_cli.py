@@ -52,3 +52,11 @@ def test_generate_trace_html(checkpoints, tmp_path, capsys):
     assert main(["generate", "Tom has 3", "--model", str(checkpoints["diffusion"]), "--max-new-tokens", "4",
                  "--option", "block_length=2", "--trace", str(path)]) == 0
     assert path.exists() and "<table" in path.read_text()
+
+
+def test_ar_spec_default_drafts_with_the_shipped_diffusion_model(capsys):
+    assert main(["generate", "Tom has 3 apples and buys 4 more.", "--sampler", "ar_spec", "--max-new-tokens", "16",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["options"]["num_draft_tokens"] == 8 and out["exact"] is True
+    assert out["stats"]["nfe_draft"] == out["stats"]["nfe"]  # one drafter call per round: the diffusion model
