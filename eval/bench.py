@@ -19,19 +19,25 @@ round-robin over configurations with a rotating start, so drift on a shared mach
 alike. A pass is the sum over batches of wall time around ``generate`` (device synchronised before and
 after on GPUs). Reported: medians and min/max over repeats, and speedups as the median of per-repeat
 ratios to the baseline measured in the same repeat (absolute times drift; ratios measured together hold).
+Interrupted (Ctrl-C or SIGTERM, e.g. from ``timeout``) after at least one full repeat, the study still
+writes its results from the repeats every configuration completed, marks them ``interrupted`` and exits
+with status 130.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import math
 import operator
 import os
 import platform
+import signal
 import statistics
 import sys
+import threading
 import time
 import tomllib
 from collections import Counter
@@ -424,11 +430,18 @@ def time_study(runs: list[Prepared], batches: list[Batch], settings: Settings, p
         for run in runs:
             run_pass(run, batches, settings)
     times: dict[str, list[float]] = {run.config.name: [] for run in runs}
-    for repeat in range(settings.repeats):
-        shift = repeat % len(runs)  # rotate the start so no configuration always runs first or last
-        for run in runs[shift:] + runs[:shift]:
-            times[run.config.name].append(run_pass(run, batches, settings)[0])
-        progress(f"  repeat {repeat + 1}/{settings.repeats} done")
+    try:
+        for repeat in range(settings.repeats):
+            shift = repeat % len(runs)  # rotate the start so no configuration always runs first or last
+            for run in runs[shift:] + runs[:shift]:
+                times[run.config.name].append(run_pass(run, batches, settings)[0])
+            progress(f"  repeat {repeat + 1}/{settings.repeats} done")
+    except KeyboardInterrupt:  # also SIGTERM, see run_study: keep the repeats every configuration finished
+        done = min(len(t) for t in times.values())
+        if done == 0:
+            raise
+        progress(f"  interrupted: reporting the {done} repeat(s) every configuration completed")
+        times = {name: t[:done] for name, t in times.items()}
     return profiles, times
 
 
@@ -513,9 +526,27 @@ def run_study(configs: list[RunConfig], settings: Settings, aliases: dict[str, s
     threads = torch.get_num_threads()
     torch.set_num_threads(settings.threads or threads)
     try:
-        return _study(configs, settings, aliases, tokenizer)
+        with _sigterm_as_interrupt():  # `timeout` and schedulers stop runs with SIGTERM: still write results
+            return _study(configs, settings, aliases, tokenizer)
     finally:
         torch.set_num_threads(threads)  # callers (tests, notebooks) keep their own setting
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt():
+    """Turn SIGTERM into KeyboardInterrupt while the study runs (main thread only; restored after)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _study(configs: list[RunConfig], settings: Settings, aliases: dict[str, str], tokenizer) -> dict:
@@ -535,6 +566,7 @@ def _study(configs: list[RunConfig], settings: Settings, aliases: dict[str, str]
     print(f"{len(runs)} configurations x {len(prompts.ids)} prompts ({prompts.source}) on {device}, "
           f"{settings.dtype}, {torch.get_num_threads()} threads")
     profiles, times = time_study(runs, batches, settings)
+    repeats_done = min(len(t) for t in times.values()) if times else 0
     stops = _special_ids(models, masks=False) | {getattr(store.tokenizer, "eos_token_id", None)}
     entries = []
     for run in runs:
@@ -550,6 +582,7 @@ def _study(configs: list[RunConfig], settings: Settings, aliases: dict[str, str]
                     "mean_length": statistics.fmean(len(p) for p in prompts.ids)},
         "timing": "median over repeats of the summed wall time of generate calls; warm-up and the recorded pass "
                   "excluded; configurations interleaved round-robin; speedup = median per-repeat ratio",
+        "repeats_completed": repeats_done, "interrupted": repeats_done < settings.repeats,
         "runs": entries,
     }
     _write(results, Path(settings.output))
@@ -644,8 +677,8 @@ def main(argv: list[str] | None = None) -> int:
         from dllm.data.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(args.tokenizer)
-    run_study(configs, settings, aliases, tokenizer)
-    return 0
+    results = run_study(configs, settings, aliases, tokenizer)
+    return 130 if results["interrupted"] else 0  # partial results are written, but the run did not finish
 
 
 if __name__ == "__main__":

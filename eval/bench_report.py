@@ -35,7 +35,10 @@ def markdown(results: dict) -> str:
         f"{results['machine']['processor']} ({results['machine']['device_name']}), torch {results['torch_version']}, "
         f"{results['dtype']}, {results['threads']} threads. Prompts: {results['prompts']['source']} "
         f"x {results['prompts']['count']}, max_new_tokens {s['max_new_tokens']}, batch size {s['batch_size']}, "
-        f"{s['repeats']} timed repeats (median; speedup = median per-repeat ratio to `{results['baseline']}`).", "",
+        f"{results.get('repeats_completed', s['repeats'])} timed repeats (median; speedup = median per-repeat "
+        f"ratio to `{results['baseline']}`)."
+        + (f" **Interrupted** after {results['repeats_completed']} of {s['repeats']} repeats."
+           if results.get("interrupted") else ""), "",
         "| " + " | ".join(head) + " |", "|" + " --- |" * len(head),
     ]
     lines += ["| " + " | ".join(row) + " |" for row in table_rows(results["runs"])]

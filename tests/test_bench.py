@@ -264,3 +264,24 @@ def test_gpu_study_script_runs_small_on_cpu(tiny_models, tmp_path):
     for name in ("results.json", "results.md", "pareto.png", "cost_model.json", "projection.png",
                  "selfcheck/cost_model.json"):
         assert (tmp_path / name).stat().st_size > 0, name
+
+
+def test_interrupted_repeats_keep_what_every_configuration_finished(monkeypatch):
+    """An interrupt in repeat 2 reports repeat 1 for everyone; one before any full repeat propagates."""
+    passes = []
+
+    def run_pass(run, batches, settings, log=None):
+        passes.append(run.config.name)
+        if len(passes) == 3 + 3 + 2:  # recorded x3, repeat 1 x3, then the second pass of repeat 2
+            raise KeyboardInterrupt
+        return 1.0, []
+
+    monkeypatch.setattr(bench, "run_pass", run_pass)
+    runs = [bench.Prepared(bench.parse_config(f"name={n};model=m;sampler=ar"), None, {}, 0.0) for n in "abc"]
+    _, times = bench.time_study(runs, [], bench.Settings(repeats=3, warmup=1), progress=lambda _: None)
+    assert times == {n: [1.0] for n in "abc"}
+    passes.clear()
+    monkeypatch.setattr(bench, "run_pass", lambda *a, **k: passes.append(1) or (
+        (_ for _ in ()).throw(KeyboardInterrupt) if len(passes) == 4 else (1.0, [])))
+    with pytest.raises(KeyboardInterrupt):
+        bench.time_study(runs, [], bench.Settings(repeats=3, warmup=1), progress=lambda _: None)
