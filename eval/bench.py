@@ -609,12 +609,12 @@ def _pad_id(tokenizer, models) -> int:
 
 def _check_lengths(prompts: Prompts, models, settings: Settings) -> None:
     """Fail before timing when the longest prompt plus the answer (and drafts) exceeds a model's context."""
-    longest = max(len(p) for p in prompts.ids) + settings.max_new_tokens + 9  # + ar_spec drafts and bonus
+    longest = max(len(p) for p in prompts.ids) + settings.max_new_tokens  # ar_spec reads no further than ar
     for model in models:
         limit = getattr(getattr(model, "config", None), "max_seq_len", None)
         if isinstance(limit, int) and longest > limit:
-            raise ValueError(f"prompts up to {longest - settings.max_new_tokens - 9} tokens + max_new_tokens "
-                             f"{settings.max_new_tokens} (+9 for drafts) exceed a model's max_seq_len {limit}; "
+            raise ValueError(f"prompts up to {longest - settings.max_new_tokens} tokens + max_new_tokens "
+                             f"{settings.max_new_tokens} exceed a model's max_seq_len {limit}; "
                              "lower --max-new-tokens or use shorter prompts")
 
 

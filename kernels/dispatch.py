@@ -12,6 +12,7 @@ one seed per call, which cannot keep rows independent of the batch.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import importlib.util
 import os
@@ -20,7 +21,7 @@ from collections.abc import Iterator
 import torch
 
 MODES = ("auto", "reference", "triton")
-_override: list[str] = []  # innermost use_kernels() mode last
+_override: contextvars.ContextVar[str | None] = contextvars.ContextVar("dllm_kernels", default=None)  # per thread
 
 
 @functools.cache
@@ -31,8 +32,8 @@ def triton_installed() -> bool:
 
 def kernel_mode() -> str:
     """The mode in force: the innermost ``use_kernels`` block, else ``DLLM_KERNELS``, else ``auto``."""
-    if _override:
-        return _override[-1]
+    if _override.get() is not None:
+        return _override.get()
     mode = os.environ.get("DLLM_KERNELS", "auto").strip().lower() or "auto"
     if mode not in MODES:
         raise ValueError(f"DLLM_KERNELS must be one of {', '.join(MODES)}; got {mode!r}")
@@ -44,11 +45,11 @@ def use_kernels(mode: str) -> Iterator[None]:
     """Run the enclosed code with kernel dispatch ``mode`` (one of MODES); nests and restores."""
     if mode not in MODES:
         raise ValueError(f"use_kernels: mode must be one of {', '.join(MODES)}; got {mode!r}")
-    _override.append(mode)
+    token = _override.set(mode)
     try:
         yield
     finally:
-        _override.pop()
+        _override.reset(token)
 
 
 def use_triton(tensor: torch.Tensor) -> bool:

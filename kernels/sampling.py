@@ -67,7 +67,7 @@ def sample_confidence(
     """Dispatcher: the fused Triton kernel for CUDA tensors when Triton is installed, else the reference
     (``dllm.kernels.dispatch`` has the rule and how to override it)."""
     implementation = sample_confidence_reference
-    if use_triton(logits) and not isinstance(generator, RowGenerators):
+    if not isinstance(generator, RowGenerators) and use_triton(logits):
         from .sampling_triton import sample_confidence_triton
 
         implementation = sample_confidence_triton

@@ -130,7 +130,7 @@ def verify_logits(
     """Dispatcher: the fused Triton kernel for CUDA tensors when Triton is installed, else the reference
     (``dllm.kernels.dispatch`` has the rule and how to override it)."""
     implementation = verify_logits_reference
-    if use_triton(target_logits) and not isinstance(generator, RowGenerators):
+    if not isinstance(generator, RowGenerators) and use_triton(target_logits):
         from .verify_triton import verify_logits_triton
 
         implementation = verify_logits_triton

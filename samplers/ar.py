@@ -16,9 +16,15 @@ logits at position i depend only on tokens <= i, so whatever follows a row's end
 - ``"ngram"``: prompt lookup: the continuation of the latest earlier occurrence of the sequence's last
   n tokens (n = ``max_ngram`` .. 1), proposed as point masses.
 The shared ``verify`` makes the output distributed exactly as ``ar`` at the same temperature.
+
+No call reads past position prompt + max_new_tokens - 2, the last input ``ar`` feeds: a draft there
+would leave no room for the bonus token, so it is never verified (drafts past that point are
+placeholders that ``num_drafts`` excludes). ``ar_spec`` therefore fits any context ``ar`` fits.
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 
@@ -151,9 +157,10 @@ def _target_rows(caller: Caller, kv, seq, rows, length, drafts) -> torch.Tensor:
     """Target logits for each draft position and the bonus: one call on sequence + drafts -> [R, K + 1, V].
 
     With a cache holding [0, c), only tokens from c on are fed (each row's unverified tail and drafts).
+    Inputs stop at position total - 2 (see the module docstring); rows past it repeat the last one.
     """
     width = drafts.shape[1]
-    extended = _append(seq, length, drafts)[:, : int(length.max()) + width]
+    extended = _append(seq, length, drafts)[:, : min(int(length.max()) + width, seq.shape[1] - 1)]
     start = 0 if kv is None else kv.length
     if kv is None:
         logits = caller(extended, rows, served=len(rows))
@@ -161,7 +168,7 @@ def _target_rows(caller: Caller, kv, seq, rows, length, drafts) -> torch.Tensor:
         logits = caller.cached(extended[:, start:], kv, rows, served=len(rows), keys=slice(0, extended.shape[1]),
                                append=True)
     at = length[:, None] - 1 - start + torch.arange(width + 1, device=seq.device)  # position t predicts t + 1
-    return logits[torch.arange(seq.shape[0], device=seq.device)[:, None], at]
+    return logits[torch.arange(seq.shape[0], device=seq.device)[:, None], at.clamp(max=logits.shape[1] - 1)]
 
 
 def _append(seq: torch.Tensor, length: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -194,8 +201,15 @@ def _draft(drafter, caller, seq, rows, length, num_drafts, width, temperature, g
 
 
 def _block_size(model) -> int | None:
+    """A block-causal model's block size (any integer type), else None."""
     size = getattr(model, "block_size", None)
-    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
+    if size is None or isinstance(size, bool):
+        return None
+    try:
+        size = operator.index(size)
+    except TypeError:
+        return None
+    return size if size > 0 else None
 
 
 def _draft_canvas(seq, length, size: int, mask_token_id: int) -> torch.Tensor:
@@ -209,9 +223,9 @@ def _draft_canvas(seq, length, size: int, mask_token_id: int) -> torch.Tensor:
 
 def _diffusion_draft_logits(drafter, caller, seq, rows, length, width) -> torch.Tensor:
     """Marginals of a bidirectional diffusion drafter at the next ``width`` positions, one call -> [R, K, V]."""
-    size = seq.shape[1] + width  # prompt + max_new_tokens + K: fixed, so a row's drafts ignore the batch
+    size = seq.shape[1] - 1  # up to position total - 2 (module docstring): fixed, so drafts ignore the batch
     logits = caller(_draft_canvas(seq, length, size, drafter.mask_token_id), rows, served=len(rows))
-    at = length[:, None] + torch.arange(width, device=seq.device)
+    at = (length[:, None] + torch.arange(width, device=seq.device)).clamp(max=size - 1)
     return forbid_token(logits[torch.arange(seq.shape[0], device=seq.device)[:, None], at], drafter.mask_token_id)
 
 
@@ -219,19 +233,22 @@ def _block_draft_logits(drafter, caller, seq, rows, length, width, prompt_len, k
     """Marginals of a block-causal drafter at the next ``width`` positions -> [R, K, V].
 
     Blocks start at the answer start (canvas position ``prompt_len``). The canvas ends with the block of
-    the batch's last draft (capped at prompt + max_new_tokens + K, the bidirectional canvas, so a row's
-    drafts never depend on the batch: blocks after a row's own are invisible to it). With ``kv`` (holding
+    the batch's last draft, capped at position total - 2 (a fixed cap, so a row's drafts never depend on
+    the batch: blocks after a row's own are invisible to it). With ``kv`` (holding
     finished blocks), only positions from the cache's end are fed, and the blocks every row has finished
     are kept for later rounds.
     """
     block = drafter.block_size
     last = length + width - 1  # [R] each row's last draft position
     block_end = prompt_len + torch.div(last - prompt_len, block, rounding_mode="floor").add(1).mul(block)
-    size = min(int(block_end.max()), seq.shape[1] + width)
+    size = min(int(block_end.max()), seq.shape[1] - 1)
     canvas = _draft_canvas(seq, length, size, drafter.mask_token_id)
     pads = (caller.attention_mask[rows] == 0).sum(dim=1) if caller.attention_mask is not None else 0
     offset = prompt_len - pads + torch.zeros_like(length)  # answer start in position-id coordinates
     start = 0 if kv is None else kv.length
+    if start >= size:  # every row is one token from the end: no draft can be verified, placeholders
+        return torch.zeros((seq.shape[0], width, drafter.vocab_size), device=seq.device).index_fill_(
+            -1, torch.tensor([drafter.mask_token_id], device=seq.device), float("-inf"))
     if kv is None:
         logits = caller(canvas, rows, served=len(rows), block_offset=offset)
     else:
@@ -239,7 +256,7 @@ def _block_draft_logits(drafter, caller, seq, rows, length, width, prompt_len, k
                                block_offset=offset)
         # Blocks before min(length)'s block hold final tokens in every row and never see later blocks.
         kv.crop(prompt_len + (int(length.min()) - prompt_len) // block * block)
-    at = length[:, None] - start + torch.arange(width, device=seq.device)
+    at = (length[:, None] - start + torch.arange(width, device=seq.device)).clamp(max=size - start - 1)
     return forbid_token(logits[torch.arange(seq.shape[0], device=seq.device)[:, None], at], drafter.mask_token_id)
 
 
@@ -252,17 +269,22 @@ def _causal_drafts(caller, seq, rows, length, width, temperature, generator, kv=
     """
     index = torch.arange(seq.shape[0], device=seq.device)
     drafts = torch.zeros((seq.shape[0], width), dtype=torch.long, device=seq.device)
-    shortest = int(length.min())
+    shortest, limit = int(length.min()), seq.shape[1] - 1  # inputs stop at position total - 2
     steps = []
     for j in range(width):
-        extended = _append(seq, length, drafts[:, :j])
-        if kv is None:
-            logits = caller(extended, rows, served=len(rows))[index, length + j - 1]
+        extended = _append(seq, length, drafts[:, :j])[:, :limit]
+        at = length + j - 1
+        if shortest + j - 1 >= limit:
+            # No row can verify draft j or later: placeholders, still sampled so that every row draws the
+            # same noise whatever else is in the batch (per-row generators stay batch-invariant).
+            logits = steps[-1]
+        elif kv is None:
+            logits = caller(extended, rows, served=len(rows))[index, at.clamp(max=extended.shape[1] - 1)]
         else:
             start = min(kv.length, shortest + j - 1)
             kv.crop(start)
             logits = caller.cached(extended[:, start:], kv, rows, served=len(rows), keys=slice(0, extended.shape[1]),
-                                   append=True)[index, length + j - 1 - start]
+                                   append=True)[index, (at - start).clamp(max=extended.shape[1] - start - 1)]
         drafts[:, j] = sample_from_logits(logits, temperature, bind_rows(generator, rows))
         steps.append(logits)
     return drafts, torch.stack(steps, dim=1)

@@ -323,3 +323,22 @@ def test_block_drafter_logits_equal_each_row_alone(cached):
                 alone = drafter(canvas, block_offset=torch.tensor([prompt_len]))[0, n : n + width]
                 alone[:, 2] = float("-inf")  # the mask token is never drafted
                 assert torch.allclose(logits[r], alone, atol=1e-4), (length.tolist(), r)
+
+
+@pytest.mark.parametrize("drafter_kind", ["ngram", "causal", "block_causal", "bidirectional"])
+@pytest.mark.parametrize("cache", ["auto", "none"])
+def test_ar_spec_fits_every_context_ar_fits(drafter_kind, cache):
+    """prompt + max_new_tokens up to max_seq_len + 1 (ar's limit) with 8 drafts per round: no position
+    past the context, same tokens as ar, with a full-length answer and left padding."""
+    model = tiny("causal")  # max_seq_len 64
+    drafter = {"ngram": "ngram", "causal": tiny("causal", seed=1), "block_causal": tiny("block_causal", seed=3),
+               "bidirectional": tiny("bidirectional", seed=4)}[drafter_kind]
+    new_tokens = 64 + 1 - PROMPTS.shape[1]
+    common = dict(max_new_tokens=new_tokens, temperature=0.0, attention_mask=MASK, eos_token_id=None, cache=cache)
+    with torch.no_grad():
+        spec = dllm.generate(model, PROMPTS, sampler="ar_spec", drafter=drafter, num_draft_tokens=8, **common)
+        plain = dllm.generate(model, PROMPTS, sampler="ar", **common)
+        sampled = dllm.generate(model, PROMPTS, sampler="ar_spec", drafter=drafter, num_draft_tokens=8,
+                                **{**common, "temperature": 1.0}, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(spec.sequences, plain.sequences)
+    assert sampled.stats.new_tokens == 3 * new_tokens

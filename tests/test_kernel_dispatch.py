@@ -143,6 +143,7 @@ def test_interpreted_kernels_replay_the_contract(oracle, monkeypatch, sampler, o
 
 
 def test_modes_and_errors(monkeypatch):
+    monkeypatch.delenv("DLLM_KERNELS", raising=False)
     cpu = torch.zeros(1)
     assert kernel_mode() == "auto" and use_triton(cpu) is False
     with use_kernels("reference"):
@@ -165,3 +166,24 @@ def test_modes_and_errors(monkeypatch):
         with use_kernels("triton"), pytest.raises(RuntimeError, match="needs TRITON_INTERPRET=1"):
             use_triton(cpu)
     assert os.environ.get("DLLM_KERNELS") is None
+
+
+def test_mode_is_per_thread_and_row_generators_take_the_reference(monkeypatch):
+    import threading
+
+    seen = []
+    with use_kernels("reference"):
+        worker = threading.Thread(target=lambda: seen.append(kernel_mode()))
+        worker.start()
+        worker.join()
+    assert seen == ["auto"]
+    # per-row generators never reach a kernel, so even a mode that cannot run here does not matter
+    from dllm.kernels import verify_logits
+    from dllm.numerics import RowGenerators
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    drafts, logits = torch.zeros(2, 1, dtype=torch.long), torch.zeros(2, 2, 3)
+    generators = RowGenerators([torch.Generator().manual_seed(i) for i in range(2)])
+    with use_kernels("triton"):
+        out = verify_logits(drafts, logits[:, :1], logits, temperature=1.0, generator=generators)
+    assert out.num_emitted.tolist() == [2, 2]  # equal draft and target: accepted, plus the bonus
