@@ -238,21 +238,43 @@ def test_structured_verifier_is_exact_for_one_layer():
     assert out.stats.accepted < out.stats.drafted
 
 
+def small_pair():
+    """A causal target and a block-causal drafter over 12 tokens (11 = the drafter's mask, 10 = EOS), left
+    unsharpened so that sampled drafts are often accepted."""
+    models = []
+    for layout, seed in (("causal", 0), ("block_causal", 1)):
+        torch.manual_seed(seed)
+        config = TransformerConfig(vocab_size=12, dim=16, n_layers=2, n_heads=2, max_seq_len=64, layout=layout,
+                                   block_size=4 if layout == "block_causal" else None,
+                                   mask_token_id=None if layout == "causal" else 11, eos_token_id=10)
+        models.append(TransformerLM(config).eval())
+    return models
+
+
 def test_block_causal_drafter_cache_equals_uncached():
-    """ar_spec with a block-causal diffusion drafter: its block cache changes the work, not the drafts."""
-    model = tiny("causal")
-    drafter = tiny("block_causal", seed=3)
-    common = dict(sampler="ar_spec", drafter=drafter, num_draft_tokens=3, max_new_tokens=14, attention_mask=MASK,
-                  eos_token_id=None)
-    with torch.no_grad():
-        runs = {cache: dllm.generate(model, PROMPTS, cache=cache, temperature=0.0, **common)
-                for cache in ("none", "auto")}
-        reference = dllm.generate(model, PROMPTS, sampler="ar", max_new_tokens=14, temperature=0.0,
-                                  attention_mask=MASK, eos_token_id=None)
-    plain, cached = runs["none"], runs["auto"]
-    assert torch.equal(plain.sequences, cached.sequences) and torch.equal(cached.sequences, reference.sequences)
-    assert (plain.stats.drafted, plain.stats.accepted) == (cached.stats.drafted, cached.stats.accepted)
-    assert cached.stats.forward_tokens_draft < plain.stats.forward_tokens_draft / 2
+    """ar_spec with a block-causal drafter, sampled, left-padded, rows stopping at EOS at different times:
+    with and without caches every round drafts the same tokens and the outputs agree."""
+    model, drafter = small_pair()
+    prompts = torch.tensor([[0, 1, 2, 0, 1], [9, 9, 2, 5, 0], [9, 1, 7, 2, 1], [6, 2, 8, 0, 4]])
+    mask = (torch.arange(5)[None, :] >= torch.tensor([0, 2, 1, 0])[:, None]).long()
+    runs = {}
+    for cache in ("none", "auto"):
+        rounds = []
+        with torch.no_grad():
+            out = dllm.generate(model, prompts, sampler="ar_spec", drafter=drafter, num_draft_tokens=3,
+                                max_new_tokens=16, attention_mask=mask, eos_token_id=10, cache=cache,
+                                generator=[torch.Generator().manual_seed(s) for s in range(4)],
+                                callback=lambda event, seen=rounds: seen.append((event["rows"].tolist(),
+                                                                                 event["drafts"].clone())))
+        runs[cache] = out, rounds
+    (plain, plain_rounds), (cached, cached_rounds) = runs["none"], runs["auto"]
+    assert torch.equal(plain.sequences, cached.sequences)
+    assert [r for r, _ in plain_rounds] == [r for r, _ in cached_rounds]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(plain_rounds, cached_rounds))
+    assert 0 < cached.stats.accepted < cached.stats.drafted
+    active = [len(r) for r, _ in cached_rounds]
+    assert active[0] == 4 and 0 < active[-1] < 4  # some rows stopped (EOS) while others went on
+    assert cached.stats.forward_tokens_draft < plain.stats.forward_tokens_draft
 
 
 def hmm_and_block_drafter():
@@ -294,8 +316,9 @@ def test_ar_spec_with_block_causal_drafter_is_exact():
 
 @pytest.mark.parametrize("cached", [False, True])
 def test_block_drafter_logits_equal_each_row_alone(cached):
-    """Over rounds of ragged growth, the drafter's logits at each row's draft positions equal one call on
-    that row alone with blocks anchored at the answer start and the canvas ending with its last draft's block."""
+    """Over rounds of ragged growth, with left padding and a row dropped midway, the drafter's logits at
+    each row's draft positions equal one call on that row alone (padding stripped), blocks anchored at the
+    answer start and the canvas ending with its last draft's block."""
     from dllm.samplers.ar import _block_draft_logits
     from dllm.samplers.canvas import Caller
     from dllm.stats import DecodeStats
@@ -306,23 +329,31 @@ def test_block_drafter_logits_equal_each_row_alone(cached):
             layer.attn.wqkv.weight.mul_(3.0)
             layer.attn.wo.weight.mul_(3.0)
     prompt_len, width, total = 5, 3, 5 + 20
+    pads = torch.tensor([0, 2, 1])
     torch.manual_seed(0)
     seq = torch.randint(3, 40, (3, total))
-    caller = Caller(drafter, DecodeStats(), draft=True)
+    full_mask = (torch.arange(total + width + 1)[None, :] >= pads[:, None]).long()
+    caller = Caller(drafter, DecodeStats(), attention_mask=full_mask, draft=True)
     kv = drafter.new_cache() if cached else None
     rows = torch.arange(3)
+    schedule = ([5, 5, 5], [6, 8, 5], [9, 9, 7], [13, 10, 12], [15, None, 16], [18, None, 21])
     with torch.no_grad():
-        for length in ([5, 5, 5], [6, 8, 5], [9, 9, 7], [13, 10, 12], [15, 17, 16]):
-            length = torch.tensor(length)
-            logits = _block_draft_logits(drafter, caller, seq, rows, length, width, prompt_len, kv)
-            for r in range(3):
-                n = int(length[r])
-                end = min(prompt_len + ((n + width - 1 - prompt_len) // 4 + 1) * 4, total + width)
+        for step, lengths in enumerate(schedule):
+            if step == 4:  # row 1 finishes: the sampler drops it from the batch and from the cache
+                rows = torch.tensor([0, 2])
+                kv = kv.select(torch.tensor([0, 2])) if kv is not None else None
+            length = torch.tensor([lengths[int(r)] for r in rows])
+            logits = _block_draft_logits(drafter, caller, seq[rows], rows, length, width, prompt_len, kv)
+            for i, r in enumerate(rows.tolist()):
+                n = int(length[i])
+                end = min(prompt_len + ((n + width - 1 - prompt_len) // 4 + 1) * 4, total - 1)
                 canvas = torch.full((1, end), 2)
                 canvas[0, :n] = seq[r, :n]
-                alone = drafter(canvas, block_offset=torch.tensor([prompt_len]))[0, n : n + width]
+                canvas = canvas[:, int(pads[r]):]  # the row alone has no padding
+                offset = torch.tensor([prompt_len - int(pads[r])])
+                alone = drafter(canvas, block_offset=offset)[0, n - int(pads[r]) : n - int(pads[r]) + width]
                 alone[:, 2] = float("-inf")  # the mask token is never drafted
-                assert torch.allclose(logits[r], alone, atol=1e-4), (length.tolist(), r)
+                assert torch.allclose(logits[i], alone, atol=1e-4), (step, r)
 
 
 @pytest.mark.parametrize("drafter_kind", ["ngram", "causal", "block_causal", "bidirectional"])
