@@ -25,6 +25,7 @@ placeholders that ``num_drafts`` excludes). ``ar_spec`` therefore fits any conte
 from __future__ import annotations
 
 import operator
+import warnings
 
 import torch
 
@@ -81,10 +82,10 @@ def ar_spec(
     draft_caller = Caller(drafter, stats, attention_mask=full_mask, draft=True)
     lengths = torch.full((batch,), prompt_len, dtype=torch.long, device=prompt.device)
     rows = torch.arange(batch, device=prompt.device)
-    kv = model.new_cache() if _use_cache(cache, model) else None  # holds [0, min(len) - 1) of every row
+    kv = _rollback_cache(model) if _use_cache(cache, model) else None  # holds [0, min(len) - 1) of every row
     causal_drafter = not isinstance(drafter, str) and not is_diffusion_model(drafter)
     block_drafter = not isinstance(drafter, str) and is_diffusion_model(drafter) and _block_size(drafter)
-    draft_kv = drafter.new_cache() if (causal_drafter or block_drafter) and _use_cache(cache, drafter) else None
+    draft_kv = _rollback_cache(drafter) if (causal_drafter or block_drafter) and _use_cache(cache, drafter) else None
     while rows.numel():
         length = lengths[rows]
         num_drafts = torch.clamp(total - length - 1, max=num_draft_tokens)  # leave room for the bonus
@@ -118,6 +119,17 @@ def ar_spec(
                     # Entries past min(length) + K - 1 saw padding where a shorter row's last draft goes.
                     draft_kv.crop(min(draft_kv.length, accepted, int(length.min()) + num_draft_tokens - 1))
     return seq
+
+
+def _rollback_cache(model):
+    """A new cache for speculative decoding, which rolls back rejected drafts every round; None (run
+    uncached, same results) when the model's cache cannot roll back (sliding-window or linear layers)."""
+    kv = model.new_cache()
+    if getattr(kv, "croppable", True):
+        return kv
+    warnings.warn(f"{type(model).__name__}'s cache cannot roll back rejected drafts; ar_spec runs it uncached",
+                  stacklevel=3)
+    return None
 
 
 def _use_cache(cache: str, model) -> bool:

@@ -373,3 +373,24 @@ def test_ar_spec_fits_every_context_ar_fits(drafter_kind, cache):
                                 **{**common, "temperature": 1.0}, generator=torch.Generator().manual_seed(0))
     assert torch.equal(spec.sequences, plain.sequences)
     assert sampled.stats.new_tokens == 3 * new_tokens
+
+
+def test_ar_spec_runs_uncached_when_a_cache_cannot_roll_back():
+    """A model whose cache cannot crop (sliding-window layers in HF) still decodes, uncached, the same."""
+    from dllm.models.cache import KVCache
+
+    class Fixed(KVCache):
+        croppable = False
+
+        def crop(self, length):
+            raise AssertionError("crop called on a cache that cannot roll back")
+
+    model, drafter = tiny("causal"), tiny("causal", seed=1)
+    plain = dllm.generate(model, PROMPTS, sampler="ar_spec", drafter=drafter, max_new_tokens=10, temperature=0.0,
+                          attention_mask=MASK, eos_token_id=None, cache="none")
+    for m in (model, drafter):
+        m.new_cache = Fixed
+    with pytest.warns(UserWarning, match="cannot roll back rejected drafts"):
+        out = dllm.generate(model, PROMPTS, sampler="ar_spec", drafter=drafter, max_new_tokens=10, temperature=0.0,
+                            attention_mask=MASK, eos_token_id=None)
+    assert torch.equal(out.sequences, plain.sequences)

@@ -263,6 +263,11 @@ class HFCache:
     def batch_size(self) -> int | None:
         return None if self.key_mask is None else self.key_mask.shape[0]
 
+    @property
+    def croppable(self) -> bool:
+        """False when a sliding-window or linear-attention layer cannot roll back (``crop`` would raise)."""
+        return bool(getattr(self.kv, "is_croppable", True))
+
     def past_mask(self, rows: int, device: torch.device) -> Tensor:
         """The cached keys' mask, [rows, 0] while empty.  # [B, length]"""
         return torch.zeros(rows, 0, dtype=torch.long, device=device) if self.key_mask is None else self.key_mask
@@ -273,7 +278,7 @@ class HFCache:
             raise ValueError(f"crop length must be an int in [0, {self.length}], got {length!r}")
         if length == self.length:
             return
-        if not getattr(self.kv, "is_croppable", True):
+        if not self.croppable:
             raise ValueError("this model's cache has sliding-window or linear-attention layers; it cannot roll back")
         self.kv.crop(length - self.length)  # transformers 5: a negative count removes that many positions
         self.key_mask = self.key_mask[:, :length] if length else None
