@@ -6,9 +6,10 @@
 The Triton interpreter that runs the kernel tests on a CPU accepts programs the GPU compiler rejects
 (and the other way round), so CPU-only CI would not notice a kernel that no longer builds. This script
 calls the public wrappers (``sample_confidence_triton``, ``verify_logits_triton``) with small CPU tensors
-over every switch that picks a variant (temperature 0 or not, given or counter noise, point-mass
-drafts, tile widths), records each launch instead of running it, and compiles the recorded launches
-for ``sm_<arch>`` with Triton's own compiler and the ``ptxas`` it ships. Per variant it reports the
+over every switch that picks a variant (logit dtype, tile width, window width, temperature 0 or not,
+given or counter noise, point-mass drafts), records each launch instead of running it (with the
+16-divisibility hints Triton's launcher would derive), and compiles the recorded launches for
+``sm_<arch>`` with Triton's own compiler and the ``ptxas`` it ships. Per variant it reports the
 registers per thread, spilled bytes and shared memory, which decide occupancy on the real device.
 
 Must run in a process where ``TRITON_INTERPRET`` is unset (kernels defined in interpreter mode cannot
@@ -41,11 +42,13 @@ class Variant:
     signature: tuple[tuple[str, str], ...]  # (parameter, Triton type) in order; "constexpr" for constants
     constants: tuple[tuple[str, object], ...]
     num_warps: int
+    divisible: tuple[int, ...] = ()  # parameters Triton's launcher marks 16-divisible (aligned pointers, ints)
 
     @property
     def label(self) -> str:
         consts = ",".join(f"{k}={v}" for k, v in self.constants)
-        return f"{self.kernel}[{consts}] warps={self.num_warps}"
+        floats = sorted({t[1:] for _, t in self.signature if t in ("*bf16", "*fp16", "*fp32")})
+        return f"{self.kernel}[{consts}] logits={'+'.join(floats) or '-'} warps={self.num_warps}"
 
 
 @dataclass(frozen=True)
@@ -87,40 +90,47 @@ def record_variants() -> list[Variant]:
 
 
 def _exercise(sample_confidence, verify_logits) -> None:
-    """Call the wrappers on small CPU tensors with every variant-selecting option."""
-    vocab = 4096  # > 2048 so the default tile is the full-size one (and 8 warps)
-    logits = torch.randn(3, vocab).bfloat16()
-    for temperature in (0.0, 1.0):
-        for block in (None, 256):
-            sample_confidence(logits, temperature, seed=1, block_size=block)
-            if temperature:
-                sample_confidence(logits, temperature, gumbels=torch.zeros(3, vocab, dtype=torch.float64),
-                                  block_size=block)
-    drafts = torch.zeros(2, 3, dtype=torch.long)
-    target = torch.randn(2, 4, vocab).bfloat16()
-    for draft_logits in (torch.randn(2, 3, vocab).bfloat16(), None):
-        for temperature in (0.0, 0.7):
-            for block in (None, 256):
-                verify_logits(drafts, draft_logits, target, temperature=temperature, seed=1, block_size=block)
+    """Call the wrappers on small CPU tensors with every variant-selecting option: bf16 and float32
+    logits (HF models give bf16, the project's transformer float32), vocabularies that pick the full
+    2048-column tile (LLaDA-size) and a 512 one (the shipped models' 495 tokens), windows of 3 and 8
+    drafts, temperature 0 or not, counter or given noise, point-mass drafts."""
+    for dtype in (torch.bfloat16, torch.float32):
+        for vocab in (4096, 495):
+            logits = torch.randn(3, vocab).to(dtype)
+            for temperature in (0.0, 1.0):
+                sample_confidence(logits, temperature, seed=1)
                 if temperature:
-                    verify_logits(drafts, draft_logits, target, temperature=temperature, block_size=block,
-                                  uniforms=torch.rand(2, 3, dtype=torch.float64),
-                                  gumbels=torch.zeros(2, vocab, dtype=torch.float64))
+                    sample_confidence(logits, temperature, gumbels=torch.zeros(3, vocab, dtype=torch.float64))
+            for width in (3, 8):
+                drafts = torch.zeros(2, width, dtype=torch.long)
+                target = torch.randn(2, width + 1, vocab).to(dtype)
+                for draft_logits in (torch.randn(2, width, vocab).to(dtype), None):
+                    for temperature in (0.0, 0.7):
+                        verify_logits(drafts, draft_logits, target, temperature=temperature, seed=1)
+                        if temperature:
+                            verify_logits(drafts, draft_logits, target, temperature=temperature,
+                                          uniforms=torch.rand(2, width, dtype=torch.float64),
+                                          gumbels=torch.zeros(2, vocab, dtype=torch.float64))
 
 
 def _variant(fn, args: tuple, kwargs: dict) -> Variant:
     names = list(fn.arg_names)
     constexpr = {names[i] for i in fn.constexprs}
     values = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}
-    signature, constants = [], []
-    for name in names:
+    signature, constants, divisible = [], [], []
+    for index, name in enumerate(names):
         value = values[name]
         if name in constexpr:
             signature.append((name, "constexpr"))
             constants.append((name, value))
-        else:
-            signature.append((name, _type_of(name, value)))
-    return Variant(fn.__name__, tuple(signature), tuple(constants), int(kwargs.get("num_warps", 4)))
+            continue
+        signature.append((name, _type_of(name, value)))
+        aligned = value.data_ptr() % 16 == 0 if isinstance(value, torch.Tensor) else (
+            isinstance(value, int) and not isinstance(value, bool) and value % 16 == 0)
+        if aligned:  # what the launcher's specialisation would tell the compiler
+            divisible.append(index)
+    return Variant(fn.__name__, tuple(signature), tuple(constants), int(kwargs.get("num_warps", 4)),
+                   tuple(divisible))
 
 
 def _type_of(name: str, value) -> str:
@@ -146,7 +156,8 @@ def compile_variant(variant: Variant, arch: int) -> Compiled:
     from . import sampling_triton, verify_triton
 
     fn = getattr(sampling_triton, variant.kernel, None) or getattr(verify_triton, variant.kernel)
-    source = ASTSource(fn, dict(variant.signature), constexprs=dict(variant.constants))
+    attrs = {(index,): [["tt.divisibility", 16]] for index in variant.divisible}
+    source = ASTSource(fn, dict(variant.signature), constexprs=dict(variant.constants), attrs=attrs)
     try:
         kernel = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": variant.num_warps})
     except Exception as error:  # report every failing variant, not only the first
