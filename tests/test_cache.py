@@ -251,10 +251,19 @@ def small_pair():
     return models
 
 
-def test_block_causal_drafter_cache_equals_uncached():
-    """ar_spec with a block-causal drafter, sampled, left-padded, rows stopping at EOS at different times:
-    with and without caches every round drafts the same tokens and the outputs agree."""
-    model, drafter = small_pair()
+def small_causal_drafter():
+    torch.manual_seed(2)
+    config = TransformerConfig(vocab_size=12, dim=16, n_layers=2, n_heads=2, max_seq_len=64, layout="causal",
+                               eos_token_id=10)
+    return TransformerLM(config).eval()
+
+
+@pytest.mark.parametrize("kind", ["block_causal", "causal"])
+def test_drafter_cache_equals_uncached(kind):
+    """ar_spec sampled with left padding and rows stopping at EOS at different times: with and without
+    the drafter's cache (block cache or KV cache) every round drafts the same tokens, outputs agree."""
+    model, block_drafter = small_pair()
+    drafter = block_drafter if kind == "block_causal" else small_causal_drafter()
     prompts = torch.tensor([[0, 1, 2, 0, 1], [9, 9, 2, 5, 0], [9, 1, 7, 2, 1], [6, 2, 8, 0, 4]])
     mask = (torch.arange(5)[None, :] >= torch.tensor([0, 2, 1, 0])[:, None]).long()
     runs = {}
