@@ -10,6 +10,7 @@ from dllm.models.loading import load
 DIFFUSION_RECIPES = {
     "llada": builders.save_llada,
     "dream": builders.save_dream,
+    "diffusion_gemma": builders.save_diffusion_gemma,
     "bert": lambda p: builders.save_mlm(p, "bert"),
     "modernbert": lambda p: builders.save_mlm(p, "modernbert"),
     "dllm_bidirectional": builders.save_dllm,

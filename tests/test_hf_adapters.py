@@ -9,7 +9,7 @@ from fixtures.hf import builders
 from fixtures.hf.modeling_standin import marker
 
 from dllm.models.chat import apply_chat_template, has_chat_template
-from dllm.models.hf import CausalLMAdapter, DreamAdapter, LLaDAAdapter, MaskedLMAdapter
+from dllm.models.hf import CausalLMAdapter, DiffusionGemmaAdapter, DreamAdapter, LLaDAAdapter, MaskedLMAdapter
 from dllm.models.loading import load
 from dllm.protocols import is_causal_model, is_diffusion_model
 
@@ -29,6 +29,7 @@ def folders(tmp_path_factory):
         "llada": builders.save_llada,
         "llada_ignores_mask": lambda p: builders.save_llada(p, honours_attention_mask=False),
         "dream": builders.save_dream,
+        "diffusion_gemma": builders.save_diffusion_gemma,
     }
 
     def get(name):
@@ -238,3 +239,52 @@ def test_chat_template(folders):
     assert not has_chat_template(load(folders("bert")).tokenizer) and not has_chat_template(None)
     with pytest.raises(ValueError, match="no chat template"):
         apply_chat_template(load(folders("bert")).tokenizer, "hi")
+
+
+# ------------------------------------------------------------------ DiffusionGemma
+
+
+def test_diffusion_gemma_loads_as_a_block_causal_diffusion_model(folders):
+    model = load(folders("diffusion_gemma"))
+    assert isinstance(model, DiffusionGemmaAdapter) and is_diffusion_model(model)
+    assert (model.mask_token_id, model.vocab_size, model.block_size) == (V, V + 1, 4)
+    assert model.tokenizer is not None
+    with pytest.raises(ValueError, match="DiffusionGemma has no mask token; its stand-in id is 48"):
+        load(folders("diffusion_gemma"), mask_token_id=3)
+
+
+def test_diffusion_gemma_logits_cover_each_rows_active_block(folders):
+    """Rows whose active blocks differ, one left-padded, in one call: each row's block logits equal the
+    row alone and equal a direct encoder/decoder call; elsewhere zeros; the mask's logit -inf."""
+    model = load(folders("diffusion_gemma"))
+    m = model.mask_token_id
+    # Row 0: prompt of 3, answer block [3, 7) with 2 revealed; row 1: prompt of 2 (2 pads), first block done.
+    rows = torch.tensor([[5, 6, 7, 9, 10, m, m, m, m, m, m],
+                         [0, 0, 8, 9, 11, 12, 13, 14, m, m, m]])
+    mask = torch.tensor([[1] * 11, [0, 0] + [1] * 9])
+    offsets = torch.tensor([3, 2])  # answer start in position-id coordinates
+    logits = model(rows, attention_mask=mask, block_offset=offsets)
+    assert logits.shape == (2, 11, V + 1) and bool((logits[..., m] == float("-inf")).all())
+    alone = model(rows[1:, 2:], block_offset=offsets[1:])
+    assert torch.allclose(logits[1, 2:], alone[0], atol=1e-5)
+    assert bool((logits[0, :3, :V] == 0).all()) and bool((logits[0, 7:, :V] == 0).all())  # outside [3, 7)
+    assert bool((logits[1, :8, :V] == 0).all())  # row 1's active block is [8, 11): 6 answer tokens done
+    # The block as the checkpoint itself sees it: masks become fixed filler tokens of their positions.
+    canvas = rows[:1, 3:7].clone()
+    filler = model._fill[torch.arange(3, 7)]
+    canvas[canvas == m] = filler[canvas[0] == m]
+    direct = model.model(input_ids=rows[:1, :3], decoder_input_ids=canvas).logits
+    assert torch.allclose(logits[0, 3:7, :V], direct[0], atol=1e-5)
+    assert torch.equal(logits, model(rows, attention_mask=mask, block_offset=offsets))  # deterministic
+
+
+def test_diffusion_gemma_fef_greedy_is_sequential(folders):
+    import dllm
+
+    model = load(folders("diffusion_gemma"))
+    prompts = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    common = dict(max_new_tokens=8, temperature=0.0, eos_token_id=None)
+    fef = dllm.generate(model, prompts, sampler="fef", window=3, **common)
+    seq = dllm.generate(model, prompts, sampler="sequential", **common)
+    assert torch.equal(fef.sequences, seq.sequences) and fef.options["block_length"] == 4
+    assert fef.stats.accepted > 0  # drafts verified and kept: the exact path ran, not a one-token fallback

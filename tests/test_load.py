@@ -121,7 +121,8 @@ def test_wrong_kind_is_refused(folders):
 
 
 def test_unknown_kind_is_refused(folders):
-    with pytest.raises(ValueError, match=r"kind must be one of \['auto', 'llada', 'dream', 'mlm', 'causal', 'dllm'\]"):
+    kinds = r"\['auto', 'llada', 'dream', 'diffusion_gemma', 'mlm', 'causal', 'dllm'\]"
+    with pytest.raises(ValueError, match=f"kind must be one of {kinds}"):
         load(folders("llama"), kind="gpt")
 
 

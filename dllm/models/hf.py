@@ -240,6 +240,88 @@ class MaskedLMAdapter(_DiffusionAdapter):
         return self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions).logits
 
 
+class DiffusionGemmaAdapter(_HFAdapter):
+    """DiffusionGemma (transformers' ``DiffusionGemmaForBlockDiffusion``) as a block-causal DiffusionModel.
+
+    The checkpoint is an encoder-decoder over blocks ("canvases" of ``config.canvas_length`` tokens): a
+    causal encoder reads everything before the active block; a bidirectional decoder denoises the active
+    block against the encoder's keys/values, and later blocks are invisible to it. Its noise is uniform
+    (random tokens), so it has no mask token. This adapter gives it the masked-diffusion interface:
+
+    - ``mask_token_id`` is an extra id, ``config vocab_size``; ``vocab_size`` counts it (its logit is -inf).
+    - ``block_size`` is the canvas length; samplers pass ``block_offset`` (the answer start), as for any
+      block-causal model. Per row, the active block is the one holding the first mask (the last block
+      when there is none); the decoder reads that block with each mask replaced by a fixed pseudo-random
+      token of its position (seeded, so the model stays a deterministic function of the revealed tokens,
+      which exact samplers need; the reference sampler draws fresh random tokens instead).
+    - Logits cover the active block only; positions before it (revealed) and after it (invisible to the
+      decoder) get all-zero logits, which no sampler reads there.
+    - Left padding: the encoder gets the padding mask and position ids counting real tokens, and the
+      decoder ``decoder_attention_mask`` and positions continuing each row's count.
+    Self-conditioning is not used. Each call encodes the prefix again (no cache yet).
+    """
+
+    def __init__(self, model, tokenizer=None, mask_token_id: int | None = None, fill_seed: int = 0):
+        super().__init__(model, tokenizer)
+        text = getattr(model.config, "text_config", model.config)
+        self.model_vocab_size = int(text.vocab_size)
+        if mask_token_id not in (None, self.model_vocab_size):
+            raise ValueError(f"DiffusionGemma has no mask token; its stand-in id is {self.model_vocab_size} "
+                             f"(config vocab_size), got mask_token_id={mask_token_id!r}")
+        self.mask_token_id = self.model_vocab_size
+        self.vocab_size = self.model_vocab_size + 1
+        self.block_size = int(model.config.canvas_length)
+        generator = torch.Generator().manual_seed(fill_seed)
+        self._fill = torch.randint(0, self.model_vocab_size, (1 << 16,), generator=generator)  # by position
+
+    @torch.inference_mode()
+    def __call__(self, input_ids: Tensor, attention_mask: Tensor | None = None,
+                 block_offset: int | Tensor = 0) -> Tensor:
+        """Clean-token logits of each row's active block (zeros elsewhere, -inf for the mask).  # [B, L, V + 1]"""
+        input_ids = input_ids.to(self.device)
+        batch, length = input_ids.shape
+        mask = _padding_mask(attention_mask, input_ids)
+        real = torch.ones_like(input_ids) if mask is None else mask
+        pads = (real == 0).sum(dim=1)
+        positions = (real.cumsum(dim=1) - 1).clamp(min=0)  # position-id coordinates: real tokens counted
+        offset = torch.as_tensor(block_offset, device=input_ids.device).expand(batch)
+        is_mask = input_ids == self.mask_token_id
+        first = torch.where(is_mask.any(dim=1), is_mask.long().argmax(dim=1), length - 1)  # index of first mask
+        block_start = offset + torch.div(positions[torch.arange(batch), first] - offset, self.block_size,
+                                         rounding_mode="floor") * self.block_size
+        start = (block_start + pads).clamp(min=0)  # as an index
+        end = torch.minimum(start + self.block_size, torch.full_like(start, length))
+        width = int((end - start).max())
+        # Encoder input: each row's tokens before its block, left-padded to a common length.
+        prefix_len = int(start.max())
+        column = torch.arange(prefix_len, device=input_ids.device)
+        source = column[None, :] - (prefix_len - start)[:, None]  # right-align each row's prefix
+        inside = source >= 0
+        enc_ids = torch.where(inside, input_ids.gather(1, source.clamp(min=0)), torch.zeros_like(source))
+        enc_real = inside & (real.gather(1, source.clamp(min=0)) > 0)
+        # Decoder input: the block, masks replaced by their position's fill token, right-padded.
+        slot = start[:, None] + torch.arange(width, device=input_ids.device)[None, :]
+        in_block = slot < end[:, None]
+        dec_ids = input_ids.gather(1, slot.clamp(max=length - 1))
+        dec_pos = positions.gather(1, slot.clamp(max=length - 1))
+        fill = self._fill.to(input_ids.device)[dec_pos % self._fill.numel()]
+        dec_ids = torch.where(dec_ids == self.mask_token_id, fill, dec_ids)
+        dec_ids = torch.where(in_block, dec_ids, fill)
+        counted = enc_real.long().sum(dim=1)  # real prefix tokens per row
+        dec_pos = counted[:, None] + torch.arange(width, device=input_ids.device)[None, :]
+        enc_pos = (enc_real.long().cumsum(dim=1) - 1).clamp(min=0)
+        logits = self.model(
+            input_ids=enc_ids if prefix_len else None, attention_mask=enc_real.long() if prefix_len else None,
+            position_ids=enc_pos if prefix_len else None, decoder_input_ids=dec_ids,
+            decoder_attention_mask=torch.cat((enc_real, in_block), dim=1).long(), decoder_position_ids=dec_pos,
+        ).logits.float()  # [B, width, V]
+        out = torch.zeros((batch, length, self.vocab_size), dtype=torch.float32, device=input_ids.device)
+        rows = torch.arange(batch, device=input_ids.device)[:, None].expand_as(slot)
+        out[rows[in_block], slot[in_block], : self.model_vocab_size] = logits[in_block]
+        out[..., self.mask_token_id] = float("-inf")
+        return out
+
+
 # ------------------------------------------------------------------ causal adapter and its cache
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-KINDS = ("auto", "llada", "dream", "mlm", "causal", "dllm")
+KINDS = ("auto", "llada", "dream", "diffusion_gemma", "mlm", "causal", "dllm")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt", "vocab.json")
 _HUB_KEYS = ("revision", "token", "cache_dir", "local_files_only")  # what reading a hub config.json may need
 
@@ -18,7 +18,8 @@ def load(name_or_path: str | os.PathLike, kind: str = "auto", device: str | torc
          dtype: torch.dtype | str | None = None, **kw: Any):
     """Load a checkpoint as a dllm model carrying ``.tokenizer`` (None when the checkpoint has none).
 
-    kind: "llada", "dream" (remote code via ``AutoModel``, trust_remote_code), "mlm" (``AutoModelForMaskedLM``),
+    kind: "llada", "dream" (remote code via ``AutoModel``, trust_remote_code), "diffusion_gemma" (transformers'
+    DiffusionGemmaForBlockDiffusion, see ``DiffusionGemmaAdapter``), "mlm" (``AutoModelForMaskedLM``),
     "causal" (``AutoModelForCausalLM``), "dllm" (this project's TransformerLM folder) or "auto" (read from
     config.json: model_type and architectures, or our ``layout`` key).
     device, dtype: where and in what precision to load; None keeps CPU and the checkpoint's dtype.
@@ -47,6 +48,8 @@ def detect_kind(config: dict) -> str | None:
         return "llada"
     if any(name.startswith("dream") for name in names):
         return "dream"
+    if any(name.startswith(("diffusion_gemma", "diffusiongemma")) for name in names):
+        return "diffusion_gemma"
     if any(name.endswith("formaskedlm") for name in names):
         return "mlm"
     if any(name.endswith(("forcausallm", "lmheadmodel")) for name in names):
@@ -134,18 +137,24 @@ def _load_hf(name: str, kind: str, local: Path | None, device, dtype, kw: dict):
     """A transformers checkpoint wrapped in the adapter for its kind."""
     from transformers import AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM
 
-    from dllm.models.hf import CausalLMAdapter, DreamAdapter, LLaDAAdapter, MaskedLMAdapter
+    from dllm.models.hf import CausalLMAdapter, DiffusionGemmaAdapter, DreamAdapter, LLaDAAdapter, MaskedLMAdapter
 
     auto_class, adapter = {
         "llada": (AutoModel, LLaDAAdapter),
         "dream": (AutoModel, DreamAdapter),
+        "diffusion_gemma": (_diffusion_gemma_class(), DiffusionGemmaAdapter),
         "mlm": (AutoModelForMaskedLM, MaskedLMAdapter),
         "causal": (AutoModelForCausalLM, CausalLMAdapter),
     }[kind]
+    if auto_class is None:
+        import transformers
+
+        raise ImportError(f"kind={kind!r} needs a transformers with DiffusionGemmaForBlockDiffusion "
+                          f"(installed: {transformers.__version__})")
     trust = kw.pop("trust_remote_code", kind in ("llada", "dream"))
     mask_token_id = kw.pop("mask_token_id", None)
     if mask_token_id is not None and kind == "causal":
-        raise TypeError("mask_token_id= is for diffusion kinds (llada, dream, mlm), not kind='causal'")
+        raise TypeError("mask_token_id= is for diffusion kinds (llada, dream, diffusion_gemma, mlm), not kind='causal'")
     if local is not None:
         kw["local_files_only"] = True
     tokenizer = _load_tokenizer(kw.pop("tokenizer", None), name, local, trust, kw)
@@ -153,6 +162,15 @@ def _load_hf(name: str, kind: str, local: Path | None, device, dtype, kw: dict):
     if kind == "causal":
         return adapter(model, tokenizer)
     return adapter(model, tokenizer, mask_token_id)
+
+
+def _diffusion_gemma_class():
+    """The class with the LM head (AutoModel maps diffusion_gemma to the headless DiffusionGemmaModel)."""
+    try:
+        from transformers import DiffusionGemmaForBlockDiffusion
+    except ImportError:
+        return None  # an older transformers: loading this kind then fails with a clear message
+    return DiffusionGemmaForBlockDiffusion
 
 
 def _load_tokenizer(given, name: str, local: Path | None, trust: bool, kw: dict):
