@@ -14,6 +14,7 @@ and ``dtype``. Diffusion adapters also carry ``mask_token_id`` and set that toke
 
 from __future__ import annotations
 
+import copy
 import inspect
 from typing import Any
 
@@ -309,10 +310,8 @@ class DiffusionGemmaAdapter(_HFAdapter):
         dec_ids = torch.where(in_block, dec_ids, fill)
         counted = enc_real.long().sum(dim=1)  # real prefix tokens per row
         dec_pos = counted[:, None] + torch.arange(width, device=input_ids.device)[None, :]
-        enc_pos = (enc_real.long().cumsum(dim=1) - 1).clamp(min=0)
         logits = self.model(
-            input_ids=enc_ids if prefix_len else None, attention_mask=enc_real.long() if prefix_len else None,
-            position_ids=enc_pos if prefix_len else None, decoder_input_ids=dec_ids,
+            cache=self._encode(enc_ids, enc_real), decoder_input_ids=dec_ids,
             decoder_attention_mask=torch.cat((enc_real, in_block), dim=1).long(), decoder_position_ids=dec_pos,
         ).logits.float()  # [B, width, V]
         out = torch.zeros((batch, length, self.vocab_size), dtype=torch.float32, device=input_ids.device)
@@ -320,6 +319,24 @@ class DiffusionGemmaAdapter(_HFAdapter):
         out[rows[in_block], slot[in_block], : self.model_vocab_size] = logits[in_block]
         out[..., self.mask_token_id] = float("-inf")
         return out
+
+    def _encode(self, enc_ids: Tensor, enc_real: Tensor) -> DynamicCache:
+        """The encoder's cache of each row's prefix [B, P], running the encoder once per distinct prefix
+        (fef's verification copies of a row share theirs), then indexing its rows out per input."""
+        cache = DynamicCache(config=self.config.get_text_config(decoder=True))
+        if enc_ids.shape[1] == 0:
+            return cache
+        distinct, inverse = torch.unique(torch.cat((enc_ids, enc_real.long()), dim=1), dim=0, return_inverse=True)
+        ids, real = distinct[:, : enc_ids.shape[1]], distinct[:, enc_ids.shape[1]:]
+        self.model.model.encoder(input_ids=ids, attention_mask=real, position_ids=positions_from_mask(real),
+                                 cache=cache)
+        if len(distinct) == len(enc_ids) and torch.equal(inverse, torch.arange(len(inverse), device=inverse.device)):
+            return cache
+        # Index the layers in place: a cache rebuilt from tensors would forget how many tokens a sliding-window
+        # layer has seen (it keeps only the last window - 1), and the decoder's mask would then misalign.
+        for layer in cache.layers:
+            layer.keys, layer.values = layer.keys[inverse], layer.values[inverse]
+        return cache
 
 
 # ------------------------------------------------------------------ causal adapter and its cache
@@ -370,9 +387,14 @@ class HFCache:
         if self.key_mask is None:
             return HFCache(self.config)
         rows = rows.to(self.key_mask.device)
-        data = [(layer.keys[rows], layer.values[rows]) if layer.is_initialized else (None, None)
-                for layer in self.kv.layers]
-        return HFCache(self.config, DynamicCache(data, config=self.config), self.key_mask[rows])
+        # Copy the layer objects and index their tensors: a cache rebuilt from tensors alone would lose what a
+        # sliding-window layer counts beyond the entries it keeps (transformers' cumulative_length).
+        kv = copy.copy(self.kv)
+        kv.layers = [copy.copy(layer) for layer in self.kv.layers]
+        for layer in kv.layers:
+            if layer.is_initialized:
+                layer.keys, layer.values = layer.keys[rows], layer.values[rows]
+        return HFCache(self.config, kv, self.key_mask[rows])
 
 
 class CausalLMAdapter(_HFAdapter):
