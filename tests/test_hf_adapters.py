@@ -288,3 +288,21 @@ def test_diffusion_gemma_fef_greedy_is_sequential(folders):
     seq = dllm.generate(model, prompts, sampler="sequential", **common)
     assert torch.equal(fef.sequences, seq.sequences) and fef.options["block_length"] == 4
     assert fef.stats.accepted > 0  # drafts verified and kept: the exact path ran, not a one-token fallback
+
+
+@pytest.mark.parametrize("sampler,options", [("fef", {"window": 3}), ("fef", {"window": 2, "draft": "stale"}),
+                                             ("sequential", {"order": "confidence"}), ("llada", {"steps": 6})])
+def test_diffusion_gemma_block_cache_changes_nothing(folders, sampler, options):
+    """The encoder cache of the prompt and finished blocks (cache="auto") gives the uncached tokens, with
+    left padding, greedy and sampled, and encodes fewer tokens."""
+    import dllm
+
+    model = load(folders("diffusion_gemma"))
+    prompts, mask = torch.tensor([[5, 6, 7, 8], [0, 0, 9, 10]]), torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]])
+    for temperature in (0.0, 1.0):
+        runs = [dllm.generate(model, prompts, sampler=sampler, max_new_tokens=12, attention_mask=mask,
+                              temperature=temperature, eos_token_id=None, cache=cache,
+                              generator=torch.Generator().manual_seed(3), **options) for cache in ("none", "auto")]
+        assert torch.equal(runs[0].sequences, runs[1].sequences), temperature
+        assert runs[1].exact == runs[0].exact  # the block cache is exact: it changes no label
+        assert runs[1].stats.forward_tokens < runs[0].stats.forward_tokens

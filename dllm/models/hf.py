@@ -241,6 +241,53 @@ class MaskedLMAdapter(_DiffusionAdapter):
         return self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions).logits
 
 
+class DiffusionGemmaCache:
+    """DiffusionGemma's encoder cache of a prefix, with each row's padding mask and real-token count.
+
+    It cannot roll back (sliding-window layers keep only their window), so ``croppable`` is False and
+    speculative drafting with this model runs uncached.
+    """
+
+    croppable = False
+
+    def __init__(self, config, kv: DynamicCache | None = None, key_mask: Tensor | None = None,
+                 count: Tensor | None = None):
+        self.config = config
+        self.kv = kv if kv is not None else DynamicCache(config=config)
+        self.key_mask = key_mask  # [B, P] long; None while empty
+        self.count = count  # [B] real tokens cached per row
+
+    @property
+    def length(self) -> int:
+        return 0 if self.key_mask is None else self.key_mask.shape[1]
+
+    @property
+    def batch_size(self) -> int | None:
+        return None if self.key_mask is None else self.key_mask.shape[0]
+
+    def encode(self, encoder, input_ids: Tensor, real: Tensor) -> None:
+        """Append ``input_ids`` [B, n] (real tokens where ``real`` is 1) through the causal encoder."""
+        count = torch.zeros(input_ids.shape[0], dtype=torch.long, device=input_ids.device) \
+            if self.count is None else self.count
+        key_mask = real if self.key_mask is None else torch.cat((self.key_mask, real), dim=1)
+        positions = count[:, None] + (real.cumsum(dim=1) - 1).clamp(min=0)
+        encoder(input_ids=input_ids, attention_mask=key_mask, position_ids=positions, cache=self.kv)
+        self.key_mask, self.count = key_mask, count + real.sum(dim=1)
+
+    def select(self, rows: Tensor) -> DiffusionGemmaCache:
+        """A cache of the given rows (repeats allowed); layer objects are copied, their tensors indexed."""
+        if self.key_mask is None:
+            return DiffusionGemmaCache(self.config, count=torch.zeros(len(rows), dtype=torch.long,
+                                                                       device=rows.device),
+                                       key_mask=torch.zeros((len(rows), 0), dtype=torch.long, device=rows.device))
+        kv = copy.copy(self.kv)
+        kv.layers = [copy.copy(layer) for layer in self.kv.layers]
+        for layer in kv.layers:
+            if layer.is_initialized:
+                layer.keys, layer.values = layer.keys[rows], layer.values[rows]
+        return DiffusionGemmaCache(self.config, kv, self.key_mask[rows], self.count[rows])
+
+
 class DiffusionGemmaAdapter(_HFAdapter):
     """DiffusionGemma (transformers' ``DiffusionGemmaForBlockDiffusion``) as a block-causal DiffusionModel.
 
@@ -259,8 +306,13 @@ class DiffusionGemmaAdapter(_HFAdapter):
       decoder) get all-zero logits, which no sampler reads there.
     - Left padding: the encoder gets the padding mask and position ids counting real tokens, and the
       decoder ``decoder_attention_mask`` and positions continuing each row's count.
-    Self-conditioning is not used. Each call encodes the prefix again (no cache yet).
+    Self-conditioning is not used. A plain call encodes each distinct prefix in it once. With the exact
+    block cache (``new_cache`` / ``forward_cached``, used by the samplers' ``cache="auto"``) the encoder's
+    keys/values of the prompt and of every finished block are computed once and reused: the encoder is
+    causal, so they are exactly what a plain call computes.
     """
+
+    cache_exact = True
 
     def __init__(self, model, tokenizer=None, mask_token_id: int | None = None, fill_seed: int = 0):
         super().__init__(model, tokenizer)
@@ -305,9 +357,8 @@ class DiffusionGemmaAdapter(_HFAdapter):
         in_block = slot < end[:, None]
         dec_ids = input_ids.gather(1, slot.clamp(max=length - 1))
         dec_pos = positions.gather(1, slot.clamp(max=length - 1))
-        fill = self._fill.to(input_ids.device)[dec_pos % self._fill.numel()]
-        dec_ids = torch.where(dec_ids == self.mask_token_id, fill, dec_ids)
-        dec_ids = torch.where(in_block, dec_ids, fill)
+        dec_ids = torch.where(in_block, self._canvas(dec_ids, dec_pos), self._canvas(
+            torch.full_like(dec_ids, self.mask_token_id), dec_pos))
         counted = enc_real.long().sum(dim=1)  # real prefix tokens per row
         dec_pos = counted[:, None] + torch.arange(width, device=input_ids.device)[None, :]
         logits = self.model(
@@ -318,6 +369,57 @@ class DiffusionGemmaAdapter(_HFAdapter):
         rows = torch.arange(batch, device=input_ids.device)[:, None].expand_as(slot)
         out[rows[in_block], slot[in_block], : self.model_vocab_size] = logits[in_block]
         out[..., self.mask_token_id] = float("-inf")
+        return out
+
+    def _canvas(self, tokens: Tensor, positions: Tensor) -> Tensor:
+        """The decoder's view of a block: each mask replaced by its position's fixed filler token."""
+        fill = self._fill.to(tokens.device)[positions % self._fill.numel()]
+        return torch.where(tokens == self.mask_token_id, fill, tokens)
+
+    def new_cache(self) -> DiffusionGemmaCache:
+        """An empty encoder cache for ``forward_cached``."""
+        return DiffusionGemmaCache(self.config.get_text_config(decoder=True))
+
+    @torch.inference_mode()
+    def forward_cached(
+        self,
+        input_ids: Tensor,  # [N, n]
+        cache: DiffusionGemmaCache,
+        *,
+        rows: Tensor | None = None,  # [N] cache row serving each input; only with append=False
+        append: bool = True,
+        attention_mask: Tensor | None = None,  # [N, cache.length + n] 0/1 over cached + new keys
+        block_offset: int | Tensor | None = None,  # unused: inputs start at a block boundary (see below)
+        position_ids: Tensor | None = None,
+        commit: int = 0,
+    ) -> Tensor:
+        """The protocol's cached call, for the exact block cache: ``append=True`` encodes finished tokens
+        (prompt, a finished block; no masks) into the cache and returns zero logits; ``append=False`` decodes
+        the block the inputs start with (the active block; later positions, e.g. a lookahead block, get
+        zero logits) against the cache rows ``rows``.  # [N, n, V + 1]
+        """
+        if position_ids is not None or commit:
+            raise ValueError("DiffusionGemmaAdapter.forward_cached takes neither position_ids nor commit")
+        input_ids = input_ids.to(self.device)
+        n_inputs, length = input_ids.shape
+        new_real = torch.ones_like(input_ids) if attention_mask is None else \
+            attention_mask[:, attention_mask.shape[1] - length:].to(input_ids.device).long()
+        out = torch.zeros((n_inputs, length, self.vocab_size), dtype=torch.float32, device=input_ids.device)
+        out[..., self.mask_token_id] = float("-inf")
+        if append:
+            if rows is not None:
+                raise ValueError("forward_cached: rows= reads shared cache rows and cannot append")
+            if bool((input_ids == self.mask_token_id).any()):
+                raise ValueError("DiffusionGemmaAdapter caches finished tokens only; the inputs hold masks")
+            cache.encode(self.model.model.encoder, input_ids, new_real)
+            return out
+        past = cache if rows is None else cache.select(rows.to(input_ids.device))
+        width = min(self.block_size, length)
+        positions = past.count[:, None] + (new_real[:, :width].cumsum(dim=1) - 1).clamp(min=0)
+        logits = self.model(cache=past.kv, decoder_input_ids=self._canvas(
+            input_ids[:, :width], positions), decoder_attention_mask=torch.cat(
+            (past.key_mask, new_real[:, :width]), dim=1), decoder_position_ids=positions).logits.float()
+        out[:, :width, : self.model_vocab_size] = logits
         return out
 
     def _encode(self, enc_ids: Tensor, enc_real: Tensor) -> DynamicCache:
