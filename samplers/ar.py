@@ -91,7 +91,7 @@ def ar_spec(
         num_drafts = torch.clamp(total - length - 1, max=num_draft_tokens)  # leave room for the bonus
         drafts, draft_logits, num_drafts = _draft(
             drafter, draft_caller, seq[rows], rows, length, num_drafts, num_draft_tokens, temperature, generator,
-            max_ngram, draft_kv, prompt_len,
+            max_ngram, draft_kv, prompt_len, model.vocab_size,
         )
         target = _target_rows(caller, kv, seq[rows], rows, length, drafts)  # [R, K + 1, V]
         outcome = verify_logits(drafts, draft_logits, target, num_drafts, temperature=temperature,
@@ -194,7 +194,7 @@ def _append(seq: torch.Tensor, length: torch.Tensor, tokens: torch.Tensor) -> to
 
 
 def _draft(drafter, caller, seq, rows, length, num_drafts, width, temperature, generator, max_ngram, kv,
-           prompt_len):
+           prompt_len, vocab):
     """Drafts [R, K], the logits they were drawn from [R, K, V] (None: point masses), valid drafts [R]."""
     if isinstance(drafter, str):
         drafts, found = _ngram_drafts(seq, length, num_drafts, width, max_ngram)
@@ -204,6 +204,7 @@ def _draft(drafter, caller, seq, rows, length, num_drafts, width, temperature, g
             logits = _block_draft_logits(drafter, caller, seq, rows, length, width, prompt_len, kv)
         else:
             logits = _diffusion_draft_logits(drafter, caller, seq, rows, length, width)
+        logits = logits[..., :vocab]  # a mask id appended past the target's vocabulary is dropped
         flat = logits.reshape(-1, logits.shape[-1])
         flat_rows = rows.repeat_interleave(logits.shape[1])
         drafts = sample_from_logits(flat, temperature, bind_rows(generator, flat_rows)).reshape(logits.shape[:2])

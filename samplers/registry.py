@@ -45,12 +45,20 @@ class SamplerSpec:
         # block-causal model's blocks are its own block_size when that divides max_new_tokens: decoding
         # then matches training and the exact block cache applies.
         block_size = getattr(model, "block_size", None)
-        if values.get("block_length") in (MAX_NEW, None) and block_size and max_new_tokens % block_size == 0:
-            values["block_length"] = block_size
+        nested = bool(getattr(model, "block_logits_only", False)) and bool(block_size)
+        if values.get("block_length") in (MAX_NEW, None) and block_size:
+            if max_new_tokens % block_size == 0:
+                values["block_length"] = block_size
+            elif nested:  # blocks must nest in the model's: the largest size dividing both
+                values["block_length"] = math.gcd(block_size, max_new_tokens)
         values = {name: max_new_tokens if v is MAX_NEW or (v is None and self.options[name].default is MAX_NEW)
                   else v for name, v in values.items()}
         for name, opt in self.options.items():
             opt.check(name, values[name])
+        if nested and "block_length" in values and block_size % values["block_length"]:
+            raise ValueError(f"block_length={values['block_length']} must divide this model's block_size={block_size}: "
+                             f"{type(model).__name__} gives logits only inside its own blocks, so a sampler's "
+                             "block may not straddle two of them")
         _check_schedule(values, max_new_tokens)
         _check_drafter(values, model)
         _check_cache(values, model)
@@ -124,7 +132,9 @@ def _check_drafter(values: dict[str, Any], model) -> None:
         return
     if not (is_diffusion_model(drafter) or is_causal_model(drafter)):
         raise TypeError(f"drafter must be 'ngram', a CausalModel or a DiffusionModel, got {type(drafter).__name__}")
-    if drafter.vocab_size != model.vocab_size:
+    virtual_mask = is_diffusion_model(drafter) and drafter.vocab_size == model.vocab_size + 1 \
+        and drafter.mask_token_id == model.vocab_size  # a mask id appended past the shared vocabulary
+    if drafter.vocab_size != model.vocab_size and not virtual_mask:
         raise ValueError(f"drafter vocabulary ({drafter.vocab_size}) differs from the model's ({model.vocab_size}); "
                          "drafts and targets must share token ids")
 
@@ -150,6 +160,9 @@ def _check_cache(values: dict[str, Any], model) -> None:
     if not has_cache(model):
         raise ValueError(f"cache={cache!r} needs a model with new_cache() and forward_cached(); "
                          f"{type(model).__name__} has none (use cache='none')")
+    if cache == "prefix" and not callable(getattr(model.new_cache(), "crop", None)):
+        raise ValueError(f"cache='prefix' needs a cache with crop(length); {type(model).__name__}'s has none "
+                         "(use cache='auto')")
     if cache == "dual" and not callable(getattr(model.new_cache(), "drop", None)):
         raise ValueError(f"cache='dual' needs a cache with drop(start, end); {type(model).__name__}'s has none")
     if cache == "block":

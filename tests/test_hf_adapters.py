@@ -306,3 +306,49 @@ def test_diffusion_gemma_block_cache_changes_nothing(folders, sampler, options):
         assert torch.equal(runs[0].sequences, runs[1].sequences), temperature
         assert runs[1].exact == runs[0].exact  # the block cache is exact: it changes no label
         assert runs[1].stats.forward_tokens < runs[0].stats.forward_tokens
+
+
+def test_diffusion_gemma_sampler_blocks_nest_in_its_blocks(folders):
+    import dllm
+
+    model = load(folders("diffusion_gemma"))  # block_size 4
+    prompts = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    common = dict(max_new_tokens=6, temperature=0.0, eos_token_id=None)  # 6 is no multiple of 4: blocks of 2
+    fef = dllm.generate(model, prompts, sampler="fef", window=2, **common)
+    seq = dllm.generate(model, prompts, sampler="sequential", **common)
+    llada = dllm.generate(model, prompts, sampler="llada", steps=3, **common)
+    assert fef.options["block_length"] == 2 and torch.equal(fef.sequences, seq.sequences)
+    assert llada.options["block_length"] == 2  # 2 tokens per step, each step inside one model block
+    with pytest.raises(ValueError, match="block_length=6 must divide this model's block_size=4"):
+        dllm.generate(model, prompts, sampler="llada", max_new_tokens=12, block_length=6)
+    with pytest.raises(ValueError, match="cache='prefix' needs a cache with crop"):
+        dllm.generate(model, prompts, sampler="fef", max_new_tokens=8, cache="prefix")
+
+
+def test_diffusion_gemma_unconditional_call_reads_masked_prompt_as_noise(folders):
+    """Classifier-free guidance masks the prompt: the active block is still the answer's first, and the
+    encoder reads the masked prompt as filler tokens."""
+    model = load(folders("diffusion_gemma"))
+    m = model.mask_token_id
+    uncond = torch.tensor([[m, m, m, m, m, m, m]])
+    logits = model(uncond, block_offset=torch.tensor([3]))
+    fill = model._fill[:7][None]
+    direct = model.model(input_ids=fill[:, :3], decoder_input_ids=fill[:, 3:7]).logits
+    assert torch.allclose(logits[0, 3:7, :V], direct[0], atol=1e-5)
+    assert bool((logits[0, :3, :V] == 0).all())
+    with pytest.raises(ValueError, match="at least one real token before each row's active block"):
+        model(uncond, block_offset=torch.tensor([0]))
+
+
+def test_diffusion_gemma_drafts_for_a_causal_target(folders):
+    """Its vocabulary is the target's plus the appended mask id: accepted as an ar_spec drafter."""
+    import dllm
+
+    target, drafter = load(folders("llama")), load(folders("diffusion_gemma"))
+    assert drafter.vocab_size == target.vocab_size + 1
+    prompts = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    with pytest.warns(UserWarning, match="cannot roll back"):  # its encoder cache keeps no rejected drafts
+        spec = dllm.generate(target, prompts, sampler="ar_spec", drafter=drafter, num_draft_tokens=3,
+                             max_new_tokens=8, temperature=0.0, eos_token_id=None)
+    plain = dllm.generate(target, prompts, sampler="ar", max_new_tokens=8, temperature=0.0, eos_token_id=None)
+    assert torch.equal(spec.sequences, plain.sequences) and spec.stats.nfe_draft > 0

@@ -313,6 +313,7 @@ class DiffusionGemmaAdapter(_HFAdapter):
     """
 
     cache_exact = True
+    block_logits_only = True  # samplers' blocks must nest inside the model's (see samplers/registry.py)
 
     def __init__(self, model, tokenizer=None, mask_token_id: int | None = None, fill_seed: int = 0):
         super().__init__(model, tokenizer)
@@ -326,6 +327,11 @@ class DiffusionGemmaAdapter(_HFAdapter):
         self.block_size = int(model.config.canvas_length)
         generator = torch.Generator().manual_seed(fill_seed)
         self._fill = torch.randint(0, self.model_vocab_size, (1 << 16,), generator=generator)  # by position
+        self._fills: dict[torch.device, Tensor] = {}  # the table on each device it was used on
+        if self.eos_token_id is None:  # the top-level config names none; the text config does
+            self.eos_token_id = _first_id(getattr(text, "eos_token_id", None))
+            self.stop_token_ids = tuple(dict.fromkeys(i for i in (self.eos_token_id, *self.stop_token_ids)
+                                                      if i is not None))
 
     @torch.inference_mode()
     def __call__(self, input_ids: Tensor, attention_mask: Tensor | None = None,
@@ -333,48 +339,54 @@ class DiffusionGemmaAdapter(_HFAdapter):
         """Clean-token logits of each row's active block (zeros elsewhere, -inf for the mask).  # [B, L, V + 1]"""
         input_ids = input_ids.to(self.device)
         batch, length = input_ids.shape
+        device, size = input_ids.device, self.block_size
         mask = _padding_mask(attention_mask, input_ids)
         real = torch.ones_like(input_ids) if mask is None else mask
         pads = (real == 0).sum(dim=1)
         positions = (real.cumsum(dim=1) - 1).clamp(min=0)  # position-id coordinates: real tokens counted
-        offset = torch.as_tensor(block_offset, device=input_ids.device).expand(batch)
-        is_mask = input_ids == self.mask_token_id
-        first = torch.where(is_mask.any(dim=1), is_mask.long().argmax(dim=1), length - 1)  # index of first mask
-        block_start = offset + torch.div(positions[torch.arange(batch), first] - offset, self.block_size,
-                                         rounding_mode="floor") * self.block_size
+        offset = torch.as_tensor(block_offset, device=device).expand(batch)
+        # The active block holds the first mask of the answer (masks before it, e.g. the prompt of a
+        # classifier-free-guidance call, are noise the encoder reads as filler tokens).
+        is_mask = (input_ids == self.mask_token_id) & (positions >= offset[:, None]) & (real > 0)
+        first = torch.where(is_mask.any(dim=1), is_mask.long().argmax(dim=1), length - 1)
+        block_start = offset + torch.div(positions[torch.arange(batch), first] - offset, size,
+                                         rounding_mode="floor") * size
         start = (block_start + pads).clamp(min=0)  # as an index
-        end = torch.minimum(start + self.block_size, torch.full_like(start, length))
-        width = int((end - start).max())
         # Encoder input: each row's tokens before its block, left-padded to a common length.
         prefix_len = int(start.max())
-        column = torch.arange(prefix_len, device=input_ids.device)
+        column = torch.arange(prefix_len, device=device)
         source = column[None, :] - (prefix_len - start)[:, None]  # right-align each row's prefix
         inside = source >= 0
-        enc_ids = torch.where(inside, input_ids.gather(1, source.clamp(min=0)), torch.zeros_like(source))
-        enc_real = inside & (real.gather(1, source.clamp(min=0)) > 0)
-        # Decoder input: the block, masks replaced by their position's fill token, right-padded.
-        slot = start[:, None] + torch.arange(width, device=input_ids.device)[None, :]
-        in_block = slot < end[:, None]
-        dec_ids = input_ids.gather(1, slot.clamp(max=length - 1))
-        dec_pos = positions.gather(1, slot.clamp(max=length - 1))
-        dec_ids = torch.where(in_block, self._canvas(dec_ids, dec_pos), self._canvas(
-            torch.full_like(dec_ids, self.mask_token_id), dec_pos))
+        source = source.clamp(min=0)
+        enc_real = inside & (real.gather(1, source) > 0)
+        if not bool(enc_real.any(dim=1).all()):
+            raise ValueError("DiffusionGemmaAdapter needs at least one real token before each row's active "
+                             "block (its encoder reads that prefix); give a prompt")
+        enc_ids = self._canvas(torch.where(inside, input_ids.gather(1, source), 0), positions.gather(1, source))
+        # Decoder input: the whole model block, masks (and positions past the input) as filler tokens.
         counted = enc_real.long().sum(dim=1)  # real prefix tokens per row
-        dec_pos = counted[:, None] + torch.arange(width, device=input_ids.device)[None, :]
+        slot = start[:, None] + torch.arange(size, device=device)[None, :]
+        in_input = slot < length
+        dec_pos = counted[:, None] + torch.arange(size, device=device)[None, :]
+        dec_ids = self._canvas(torch.where(in_input, input_ids.gather(1, slot.clamp(max=length - 1)),
+                                           self.mask_token_id), dec_pos)
         logits = self.model(
             cache=self._encode(enc_ids, enc_real), decoder_input_ids=dec_ids,
-            decoder_attention_mask=torch.cat((enc_real, in_block), dim=1).long(), decoder_position_ids=dec_pos,
-        ).logits.float()  # [B, width, V]
-        out = torch.zeros((batch, length, self.vocab_size), dtype=torch.float32, device=input_ids.device)
-        rows = torch.arange(batch, device=input_ids.device)[:, None].expand_as(slot)
-        out[rows[in_block], slot[in_block], : self.model_vocab_size] = logits[in_block]
+            decoder_attention_mask=torch.cat((enc_real, torch.ones_like(in_input)), dim=1).long(),
+            decoder_position_ids=dec_pos,
+        ).logits.float()  # [B, block_size, V]
+        out = torch.zeros((batch, length, self.vocab_size), dtype=torch.float32, device=device)
+        rows = torch.arange(batch, device=device)[:, None].expand_as(slot)
+        out[rows[in_input], slot[in_input], : self.model_vocab_size] = logits[in_input]
         out[..., self.mask_token_id] = float("-inf")
         return out
 
     def _canvas(self, tokens: Tensor, positions: Tensor) -> Tensor:
-        """The decoder's view of a block: each mask replaced by its position's fixed filler token."""
-        fill = self._fill.to(tokens.device)[positions % self._fill.numel()]
-        return torch.where(tokens == self.mask_token_id, fill, tokens)
+        """What the model reads: each mask replaced by its position's fixed filler token."""
+        table = self._fills.get(tokens.device)
+        if table is None:
+            table = self._fills[tokens.device] = self._fill.to(tokens.device)
+        return torch.where(tokens == self.mask_token_id, table[positions % table.numel()], tokens)
 
     def new_cache(self) -> DiffusionGemmaCache:
         """An empty encoder cache for ``forward_cached``."""
@@ -414,12 +426,14 @@ class DiffusionGemmaAdapter(_HFAdapter):
             cache.encode(self.model.model.encoder, input_ids, new_real)
             return out
         past = cache if rows is None else cache.select(rows.to(input_ids.device))
-        width = min(self.block_size, length)
-        positions = past.count[:, None] + (new_real[:, :width].cumsum(dim=1) - 1).clamp(min=0)
-        logits = self.model(cache=past.kv, decoder_input_ids=self._canvas(
-            input_ids[:, :width], positions), decoder_attention_mask=torch.cat(
-            (past.key_mask, new_real[:, :width]), dim=1), decoder_position_ids=positions).logits.float()
-        out[:, :width, : self.model_vocab_size] = logits
+        size, width = self.block_size, min(self.block_size, length)
+        block = torch.full((n_inputs, size), self.mask_token_id, dtype=input_ids.dtype, device=input_ids.device)
+        block[:, :width] = input_ids[:, :width]  # a short last block is filled up with filler tokens
+        positions = past.count[:, None] + torch.arange(size, device=input_ids.device)[None, :]
+        logits = self.model(cache=past.kv, decoder_input_ids=self._canvas(block, positions),
+                            decoder_attention_mask=torch.cat((past.key_mask, torch.ones_like(block)), dim=1),
+                            decoder_position_ids=positions).logits.float()
+        out[:, :width, : self.model_vocab_size] = logits[:, :width]
         return out
 
     def _encode(self, enc_ids: Tensor, enc_real: Tensor) -> DynamicCache:
