@@ -328,8 +328,10 @@ def prepare(config: RunConfig, store: ModelStore, settings: Settings) -> Prepare
                              f"divide max_new_tokens={settings.max_new_tokens}")
         options["steps"] = settings.max_new_tokens // config.tokens_per_step
     spec = SAMPLERS[config.sampler]
-    if "block_length" in spec.options and "block_length" not in options and getattr(model, "block_size", None):
-        options["block_length"] = model.block_size  # the model's blocks: the exact block cache applies
+    size = getattr(model, "block_size", None)
+    if "block_length" in spec.options and "block_length" not in options and size \
+            and settings.max_new_tokens % size == 0:
+        options["block_length"] = size  # the model's blocks: the exact block cache applies
     try:
         spec.resolve(options, model=model, max_new_tokens=settings.max_new_tokens)
     except (TypeError, ValueError) as error:

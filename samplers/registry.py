@@ -46,7 +46,7 @@ class SamplerSpec:
         # then matches training and the exact block cache applies.
         block_size = getattr(model, "block_size", None)
         nested = bool(getattr(model, "block_logits_only", False)) and bool(block_size)
-        if values.get("block_length") in (MAX_NEW, None) and block_size:
+        if "block_length" in values and values["block_length"] in (MAX_NEW, None) and block_size:
             if max_new_tokens % block_size == 0:
                 values["block_length"] = block_size
             elif nested:  # blocks must nest in the model's: the largest size dividing both
@@ -63,6 +63,9 @@ class SamplerSpec:
         _check_drafter(values, model)
         _check_cache(values, model)
         _check_verifier(values, model)
+        if self.name == "native" and not callable(getattr(model, "native_generate", None)):
+            raise TypeError(f"sampler='native' runs a checkpoint's own sampler through native_generate(); "
+                            f"{type(model).__name__} has none (DiffusionGemmaAdapter does)")
         if values.get("threshold") is not None and values.get("factor") is not None:
             raise ValueError("fast_dllm takes either threshold or factor, not both")
         callback = given.get("callback")
@@ -102,6 +105,11 @@ def _choice(choices: tuple[str, ...]):
         if value not in choices:
             raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
     return check
+
+
+def _optional_dict(name: str, value: Any) -> None:
+    if value is not None and not isinstance(value, dict):
+        raise TypeError(f"{name} must be a dict of keyword arguments or None, got {type(value).__name__}")
 
 
 def _no_check(name: str, value: Any) -> None:
@@ -211,6 +219,9 @@ SAMPLERS: dict[str, SamplerSpec] = {
         SamplerSpec("eb", diffusion.eb, "diffusion", False, {**BLOCK, "gamma": Option(0.01, _number(0.0))}),
         SamplerSpec("sequential", diffusion.sequential, "diffusion", True, {
             **BLOCK, "order": Option("left_to_right", _choice(ORDERS)),
+        }),
+        SamplerSpec("native", diffusion.native, "diffusion", False, {
+            "generate_kwargs": Option(None, _optional_dict),
         }),
         SamplerSpec("fef", diffusion.fef, "diffusion", True, {
             **BLOCK,
