@@ -9,7 +9,8 @@ from fixtures.hf import builders
 from fixtures.hf.modeling_standin import marker
 
 from dllm.models.chat import apply_chat_template, has_chat_template
-from dllm.models.hf import CausalLMAdapter, DiffusionGemmaAdapter, DreamAdapter, LLaDAAdapter, MaskedLMAdapter
+from dllm.models.diffusion_gemma import DiffusionGemmaAdapter
+from dllm.models.hf import CausalLMAdapter, DreamAdapter, LLaDAAdapter, MaskedLMAdapter
 from dllm.models.loading import load
 from dllm.protocols import is_causal_model, is_diffusion_model
 

@@ -137,7 +137,8 @@ def _load_hf(name: str, kind: str, local: Path | None, device, dtype, kw: dict):
     """A transformers checkpoint wrapped in the adapter for its kind."""
     from transformers import AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM
 
-    from dllm.models.hf import CausalLMAdapter, DiffusionGemmaAdapter, DreamAdapter, LLaDAAdapter, MaskedLMAdapter
+    from dllm.models.diffusion_gemma import DiffusionGemmaAdapter
+    from dllm.models.hf import CausalLMAdapter, DreamAdapter, LLaDAAdapter, MaskedLMAdapter
 
     auto_class, adapter = {
         "llada": (AutoModel, LLaDAAdapter),
