@@ -105,6 +105,8 @@ def _check_sampler(sampler: str) -> SamplerSpec:
 
 
 def _check_model(model, spec: SamplerSpec) -> None:
+    if spec.model_kind == "any" and not (is_diffusion_model(model) or is_causal_model(model)):
+        raise TypeError(f"sampler {spec.name!r} needs a DiffusionModel or a CausalModel; got {type(model).__name__}")
     if spec.model_kind == "diffusion" and not is_diffusion_model(model):
         raise TypeError(
             f"sampler {spec.name!r} needs a DiffusionModel (callable with mask_token_id and vocab_size); "
@@ -128,13 +130,14 @@ def _check_input_ids(input_ids, model, spec: SamplerSpec) -> None:
         )
     if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
         raise TypeError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
-    if spec.model_kind == "causal" and input_ids.shape[1] < 1:
+    causal = spec.model_kind == "causal" or (spec.model_kind == "any" and is_causal_model(model))
+    if causal and input_ids.shape[1] < 1:
         raise ValueError("input_ids must hold at least one token for a causal model (a BOS token, say)")
     if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= model.vocab_size):
         raise ValueError(f"input_ids must lie in [0, vocab_size={model.vocab_size}), got "
                          f"[{int(input_ids.min())}, {int(input_ids.max())}]")
     mask_id = getattr(model, "mask_token_id", None)
-    if spec.model_kind == "diffusion" and bool((input_ids == mask_id).any()):
+    if not causal and mask_id is not None and bool((input_ids == mask_id).any()):
         raise ValueError(f"input_ids must not contain the mask token (id {mask_id}) in the prompt")
 
 

@@ -345,8 +345,9 @@ def _load(name: str, config: EvalConfig):
 
 def _load_model(config: EvalConfig, name: str):
     model = _load(name, config)
-    wants_causal = SAMPLERS[config.sampler].model_kind == "causal"
-    if wants_causal != is_causal_model(model):
+    kind = SAMPLERS[config.sampler].model_kind
+    wants_causal = kind == "causal"
+    if kind != "any" and wants_causal != is_causal_model(model):
         raise EvalError(f"sampler {config.sampler!r} needs a {'causal' if wants_causal else 'diffusion'} model; "
                         f"{name} loaded as {type(model).__name__}")
     if getattr(model, "tokenizer", None) is None:

@@ -75,13 +75,3 @@ def eb(model, prompt, gen_length, *, temperature, generator, stats, gamma=0.01, 
     stepper = EbStepper(temperature, generator, stats, gamma)
     return run(stepper, model, prompt, gen_length, stats=stats, **_common(kw))
 
-
-def native(model, prompt, gen_length, *, temperature, generator, stats, attention_mask=None, eos_token_id=None,
-           callback=None, generate_kwargs=None) -> torch.Tensor:
-    """The checkpoint's own sampler (``model.native_generate``), counted under DecodeStats like ours: the
-    reference to compare against, run in the same harness. Approximate by construction."""
-    if callback is not None:
-        raise ValueError("sampler='native' runs the checkpoint's own loop: it takes no callback")
-    return model.native_generate(prompt, gen_length, temperature=temperature, generator=generator, stats=stats,
-                                 attention_mask=attention_mask, eos_token_id=eos_token_id,
-                                 **(generate_kwargs or {}))

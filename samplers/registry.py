@@ -9,7 +9,7 @@ from typing import Any
 
 from dllm.protocols import has_cache, is_causal_model, is_diffusion_model
 
-from . import ar, diffusion, fef, masked
+from . import ar, diffusion, fef, masked, native
 from .canvas import CACHE_MODES
 from .order import ORDERS
 
@@ -60,12 +60,12 @@ class SamplerSpec:
                              f"{type(model).__name__} gives logits only inside its own blocks, so a sampler's "
                              "block may not straddle two of them")
         _check_schedule(values, max_new_tokens)
-        _check_drafter(values, model)
+        if self.name != "native":  # native's drafter is a transformers assistant, checked below
+            _check_drafter(values, model)
         _check_cache(values, model)
         _check_verifier(values, model)
-        if self.name == "native" and not callable(getattr(model, "native_generate", None)):
-            raise TypeError(f"sampler='native' runs a checkpoint's own sampler through native_generate(); "
-                            f"{type(model).__name__} has none (DiffusionGemmaAdapter does)")
+        if self.name == "native":
+            _check_native(values, model)
         if values.get("threshold") is not None and values.get("factor") is not None:
             raise ValueError("fast_dllm takes either threshold or factor, not both")
         callback = given.get("callback")
@@ -147,6 +147,18 @@ def _check_drafter(values: dict[str, Any], model) -> None:
                          "drafts and targets must share token ids")
 
 
+def _check_native(values: dict[str, Any], model) -> None:
+    """The model must bring its own loop; a drafter (transformers' assisted generation) only for a causal one."""
+    if not callable(getattr(model, "native_generate", None)):
+        raise TypeError(f"sampler='native' runs a checkpoint's own sampler through native_generate(); "
+                        f"{type(model).__name__} has none (DiffusionGemmaAdapter and CausalLMAdapter do)")
+    drafter = values.get("drafter")
+    if drafter is not None and not (is_causal_model(model) and is_causal_model(drafter)
+                                    and hasattr(drafter, "model")):
+        raise TypeError("sampler='native' takes a drafter only for a causal model, as a loaded causal "
+                        "checkpoint (transformers' assisted generation)")
+
+
 def _check_verifier(values: dict[str, Any], model) -> None:
     """The structured verifier needs the model's one-pass method, left-to-right order and an exact view."""
     if values.get("verifier", "copies") == "copies":
@@ -220,8 +232,9 @@ SAMPLERS: dict[str, SamplerSpec] = {
         SamplerSpec("sequential", diffusion.sequential, "diffusion", True, {
             **BLOCK, "order": Option("left_to_right", _choice(ORDERS)),
         }),
-        SamplerSpec("native", diffusion.native, "diffusion", False, {
+        SamplerSpec("native", native.native, "any", False, {
             "generate_kwargs": Option(None, _optional_dict),
+            "drafter": Option(None, _no_check),
         }),
         SamplerSpec("fef", diffusion.fef, "diffusion", True, {
             **BLOCK,

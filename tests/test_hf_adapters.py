@@ -374,3 +374,29 @@ def test_diffusion_gemma_native_sampler_runs_transformers_generate(folders):
         dllm.generate(model, prompts, sampler="native", max_new_tokens=4, temperature=0.0)
     with pytest.raises(TypeError, match="sampler='native' runs a checkpoint's own sampler"):
         dllm.generate(load(folders("dream")), prompts, sampler="native", max_new_tokens=4)
+
+
+def test_causal_native_sampler_is_transformers_generate(folders):
+    """sampler="native" on a causal LM: transformers' generate, greedy == ar (also left-padded), sampled
+    replays from the seed; with a drafter, transformers' assisted generation (batch 1) == ar at T = 0."""
+    import dllm
+
+    target = load(folders("llama"))
+    prompts, mask = torch.tensor([[5, 6, 7], [0, 9, 10]]), torch.tensor([[1, 1, 1], [0, 1, 1]])
+    greedy = dict(max_new_tokens=8, temperature=0.0, eos_token_id=None, attention_mask=mask)
+    native = dllm.generate(target, prompts, sampler="native", generator=torch.Generator().manual_seed(0), **greedy)
+    ar = dllm.generate(target, prompts, sampler="ar", **greedy)
+    assert torch.equal(native.sequences, ar.sequences)
+    assert native.stats.nfe == 8 and native.stats.new_tokens == 16 and native.exact is False
+    sampled = [dllm.generate(target, prompts, sampler="native", max_new_tokens=8, eos_token_id=None,
+                             generator=torch.Generator().manual_seed(4)).sequences for _ in range(2)]
+    assert torch.equal(*sampled)
+    assistant = load(builders.save_causal(folders("llama").parent / "assistant", "llama", seed=1))
+    assisted = dllm.generate(target, prompts[:1], sampler="native", drafter=assistant, max_new_tokens=8,
+                             temperature=0.0, eos_token_id=None, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(assisted.sequences, ar.sequences[:1]) and assisted.stats.nfe_draft > 0
+    with pytest.raises(ValueError, match="assisted generation takes batch size 1"):
+        dllm.generate(target, prompts, sampler="native", drafter=assistant, max_new_tokens=4, attention_mask=mask)
+    with pytest.raises(TypeError, match="takes a drafter only for a causal model"):
+        dllm.generate(load(folders("diffusion_gemma")), prompts[:1], sampler="native", drafter=assistant,
+                      max_new_tokens=4)

@@ -332,6 +332,63 @@ class CausalLMAdapter(_HFAdapter):
         """An empty cache for ``forward_cached``."""
         return HFCache(self.model.config)
 
+    def native_generate(self, prompt: Tensor, max_new_tokens: int, *, temperature: float, generator, stats,
+                        attention_mask: Tensor | None = None, eos_token_id=None, drafter=None,
+                        **generate_kwargs) -> Tensor:
+        """transformers' ``generate`` for ``sampler="native"`` -> [B, P + N]; with ``drafter`` (a loaded causal
+        checkpoint), its assisted generation, which takes one row at a time.
+
+        Sampling matches ``ar``: the full softmax(logits / T) (top-k and top-p off), greedy at T = 0. Noise
+        comes from torch's global generator, seeded from ``generator`` inside ``fork_rng``. Every target call
+        and every assistant call is counted in ``stats`` (the assistant's as draft calls); a round is one
+        target call of one row, so mean_acceptance_length reads as tokens per target call.
+        """
+        if not isinstance(generator, torch.Generator):
+            raise TypeError("sampler='native' draws from torch's global generator: pass one torch.Generator")
+        if drafter is not None and prompt.shape[0] != 1:
+            raise ValueError("transformers' assisted generation takes batch size 1; got "
+                             f"{prompt.shape[0]} rows (ar_spec takes any batch)")
+        from dllm.kernels import draw_seed
+
+        calls = []
+
+        def target_call(module, args, kwargs):
+            stats.count_call(kwargs["input_ids"])
+            calls.append(1)
+
+        hooks = [self.model.register_forward_pre_hook(target_call, with_kwargs=True)]
+        if drafter is not None:
+            hooks.append(drafter.model.register_forward_pre_hook(
+                lambda module, args, kwargs: stats.count_call(kwargs["input_ids"], draft=True), with_kwargs=True))
+        device = self.device
+        options = dict(do_sample=temperature > 0, max_new_tokens=max_new_tokens,
+                       pad_token_id=self.pad_token_id if self.pad_token_id is not None else 0)
+        if temperature > 0:
+            options.update(temperature=float(temperature), top_k=0, top_p=1.0)
+        if attention_mask is not None:
+            options["attention_mask"] = attention_mask.to(device)
+        if eos_token_id is None:
+            options["min_new_tokens"] = max_new_tokens  # never stop early: every row gets max_new_tokens
+        else:
+            options["eos_token_id"] = list(eos_token_id)
+        if drafter is not None:
+            options["assistant_model"] = drafter.model
+        try:
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                torch.manual_seed(draw_seed(generator))
+                out = self.model.generate(input_ids=prompt.to(device), **options, **generate_kwargs)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        sequences = out.sequences if hasattr(out, "sequences") else out
+        total = prompt.shape[1] + max_new_tokens
+        if sequences.shape[1] < total:  # every row stopped early: pad with its stop token's follow-up pad
+            sequences = torch.cat((sequences, sequences.new_full((sequences.shape[0], total - sequences.shape[1]),
+                                                                 options["pad_token_id"])), dim=1)
+        stats.new_tokens += prompt.shape[0] * max_new_tokens
+        stats.rounds += prompt.shape[0] * len(calls)
+        return sequences[:, :total].to(prompt.device)
+
     @torch.inference_mode()
     def forward_cached(
         self,
