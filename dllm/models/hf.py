@@ -345,6 +345,9 @@ class CausalLMAdapter(_HFAdapter):
         """
         if not isinstance(generator, torch.Generator):
             raise TypeError("sampler='native' draws from torch's global generator: pass one torch.Generator")
+        if drafter is not None and drafter.model is self.model:
+            raise ValueError("sampler='native' with a drafter needs a separate assistant model: the same object "
+                             "would count every call twice (load the checkpoint a second time to self-draft)")
         if drafter is not None and prompt.shape[0] != 1:
             raise ValueError("transformers' assisted generation takes batch size 1; got "
                              f"{prompt.shape[0]} rows (ar_spec takes any batch)")
