@@ -85,7 +85,7 @@ def generate(
     if stop_ids is not None:
         stats.new_tokens = int(answer_lengths(sequences[:, input_ids.shape[1] :], stop_ids).sum())
     shown = {k: v for k, v in resolved.items() if k != "callback"}
-    if "drafter" in shown and not isinstance(shown["drafter"], str):
+    if shown.get("drafter") is not None and not isinstance(shown["drafter"], str):
         shown["drafter"] = type(shown["drafter"]).__name__
     exact = spec.exact and shown.get("cache") not in APPROXIMATE_CACHES and shown.get("verifier") != "structured"
     return GenerateOutput(sequences, stats, sampler, shown, exact, seed)

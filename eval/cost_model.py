@@ -256,6 +256,8 @@ def project(results: dict, tables: dict[str, LatencyTable], roles: dict[str, str
     """Projected time per token of every configuration in ``results`` on the role architectures."""
     rows = []
     for run in results["runs"]:
+        if not run["call_shapes"]:  # sampler="native": the checkpoint's own loop records no call shapes
+            continue
         total = extrapolated = 0.0
         for call in run["call_shapes"]:
             name = run["model"] if call["role"] == "target" else run["drafter"]
@@ -268,6 +270,8 @@ def project(results: dict, tables: dict[str, LatencyTable], roles: dict[str, str
                      "projected_s_per_token": per_token, "projected_tokens_per_s": 1 / per_token if per_token else 0.0,
                      "extrapolated_fraction": extrapolated / total if total else 0.0,
                      "measured_speedup": run.get("speedup"), "exact": run.get("exact")})
+    if not rows:
+        raise ValueError("no configuration in these results recorded model-call shapes to project")
     base = next((r for r in rows if r["name"] == results.get("baseline")), rows[0])
     for row in rows:
         row["projected_speedup"] = base["projected_s_per_token"] / row["projected_s_per_token"]

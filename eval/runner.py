@@ -366,7 +366,7 @@ def _sampler_options(config: EvalConfig, model) -> tuple[dict[str, Any], dict[st
     except (TypeError, ValueError) as error:
         raise EvalError(f"sampler {config.sampler!r}: {error}") from None
     resolved.pop("callback", None)
-    if "drafter" in resolved:
+    if resolved.get("drafter") is not None:
         resolved["drafter"] = config.options.get("drafter", "ngram")  # the path, not the loaded model
     return options, resolved
 

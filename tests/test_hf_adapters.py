@@ -400,3 +400,25 @@ def test_causal_native_sampler_is_transformers_generate(folders):
     with pytest.raises(TypeError, match="takes a drafter only for a causal model"):
         dllm.generate(load(folders("diffusion_gemma")), prompts[:1], sampler="native", drafter=assistant,
                       max_new_tokens=4)
+
+
+def test_causal_native_ignores_the_checkpoints_generation_config(folders):
+    """A checkpoint's generation_config (penalties, banned tokens, its EOS) must not change what native
+    samples; prompts holding the pad id are not masked; after a stop token rows hold it, as with ar."""
+    import dllm
+
+    target = load(folders("llama"))
+    prompts = torch.tensor([[0, 11, 12, 13], [12, 0, 0, 14]])  # id 0 is the pad id: real tokens here
+    greedy = dict(max_new_tokens=8, temperature=0.0, eos_token_id=None)
+    ar = dllm.generate(target, prompts, sampler="ar", **greedy)
+    first = int(ar.sequences[0, 4])
+    config = target.model.generation_config
+    config.repetition_penalty, config.no_repeat_ngram_size, config.eos_token_id = 1.8, 2, first
+    config.suppress_tokens = [int(ar.sequences[1, 4])]
+    native = dllm.generate(target, prompts, sampler="native", generator=torch.Generator().manual_seed(0), **greedy)
+    assert torch.equal(native.sequences, ar.sequences)
+    assert target.model.generation_config is config and config.repetition_penalty == 1.8  # restored
+    stop = int(ar.sequences[0, 6])
+    stopped = dict(max_new_tokens=8, temperature=0.0, eos_token_id=stop)
+    native_stopped = dllm.generate(target, prompts, sampler="native", generator=torch.Generator(), **stopped)
+    assert torch.equal(native_stopped.sequences, dllm.generate(target, prompts, sampler="ar", **stopped).sequences)

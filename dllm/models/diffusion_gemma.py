@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
-from .hf import _first_id, _HFAdapter, _padding_mask, positions_from_mask
+from .hf import _first_id, _HFAdapter, _padding_mask, fill_after_stop, positions_from_mask
 
 
 class DiffusionGemmaCache:
@@ -190,7 +190,7 @@ class DiffusionGemmaAdapter(_HFAdapter):
         hooks = [inner.encoder.register_forward_pre_hook(
                      lambda module, args, kwargs: stats.count_call(kwargs["input_ids"]), with_kwargs=True),
                  inner.decoder.register_forward_pre_hook(denoising_step, with_kwargs=True)]
-        device = prompt.device
+        device = self.device
         extra = {"attention_mask": attention_mask.to(device)} if attention_mask is not None else {}
         if eos_token_id is not None:
             extra["eos_token_id"] = list(eos_token_id)
@@ -203,12 +203,9 @@ class DiffusionGemmaAdapter(_HFAdapter):
             for hook in hooks:
                 hook.remove()
         sequences = out.sequences if hasattr(out, "sequences") else out
-        total = prompt.shape[1] + max_new_tokens
-        if sequences.shape[1] < total:  # stopped early everywhere: pad as the reference does
-            pad = self.pad_token_id if self.pad_token_id is not None else 0
-            sequences = torch.cat((sequences, sequences.new_full((sequences.shape[0], total - sequences.shape[1]),
-                                                                 pad)), dim=1)
-        sequences = sequences[:, :total]
+        pad = self.pad_token_id if self.pad_token_id is not None else 0
+        sequences, _ = fill_after_stop(sequences.to(prompt.device), prompt.shape[1], max_new_tokens, eos_token_id,
+                                       pad)
         stats.new_tokens += prompt.shape[0] * max_new_tokens  # (generate cuts at stop tokens after this)
         stats.rounds += prompt.shape[0] * len(steps)  # a round: one denoising step of one row
         return sequences

@@ -50,6 +50,25 @@ def _special_id(name: str, tokenizer, config) -> int | None:
     return _first_id(value if value is not None else getattr(config, f"{name}_token_id", None))
 
 
+def fill_after_stop(sequences: Tensor, prompt_length: int, max_new_tokens: int, stop_ids, pad: int):
+    """A generate() output cut or padded to [B, P + N], each row's tokens after its first stop token set to
+    the first stop id (what ``ar`` leaves there) -> (sequences, generated tokens per row up to the stop [B])."""
+    total = prompt_length + max_new_tokens
+    if sequences.shape[1] < total:  # every row stopped early
+        sequences = torch.cat((sequences, sequences.new_full((sequences.shape[0], total - sequences.shape[1]),
+                                                             pad)), dim=1)
+    sequences = sequences[:, :total].clone()
+    answers = sequences[:, prompt_length:]
+    if not stop_ids:
+        return sequences, torch.full((sequences.shape[0],), max_new_tokens, device=sequences.device)
+    is_stop = torch.isin(answers, torch.tensor(list(stop_ids), device=answers.device))
+    stopped = is_stop.any(dim=1)
+    lengths = torch.where(stopped, is_stop.long().argmax(dim=1) + 1, max_new_tokens)
+    after = torch.arange(max_new_tokens, device=answers.device)[None, :] >= lengths[:, None]
+    answers[after] = stop_ids[0]
+    return sequences, lengths
+
+
 def _output_size(model) -> int:
     """The logits' last dim: rows of the output layer, else ``config.vocab_size``."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -338,10 +357,14 @@ class CausalLMAdapter(_HFAdapter):
         """transformers' ``generate`` for ``sampler="native"`` -> [B, P + N]; with ``drafter`` (a loaded causal
         checkpoint), its assisted generation, which takes one row at a time.
 
-        Sampling matches ``ar``: the full softmax(logits / T) (top-k and top-p off), greedy at T = 0. Noise
-        comes from torch's global generator, seeded from ``generator`` inside ``fork_rng``. Every target call
-        and every assistant call is counted in ``stats`` (the assistant's as draft calls); a round is one
-        target call of one row, so mean_acceptance_length reads as tokens per target call.
+        It samples what ``ar`` samples: the full softmax(logits / T), greedy at T = 0. For the call, the
+        checkpoint's ``generation_config`` (and the assistant's) is swapped for a neutral one, because
+        transformers fills every unset field from it (a repetition penalty, suppressed tokens, beams...);
+        ``generate_kwargs`` add processors on purpose. Noise comes from torch's global generator, seeded from
+        ``generator`` inside ``fork_rng``. Every target and assistant call is counted in ``stats`` (the
+        assistant's as draft calls). A round is one row's target call while it runs, so
+        mean_acceptance_length reads as tokens per target call. After a row's stop token the row holds the
+        first stop id, as ``ar`` leaves it.
         """
         if not isinstance(generator, torch.Generator):
             raise TypeError("sampler='native' draws from torch's global generator: pass one torch.Generator")
@@ -351,6 +374,8 @@ class CausalLMAdapter(_HFAdapter):
         if drafter is not None and prompt.shape[0] != 1:
             raise ValueError("transformers' assisted generation takes batch size 1; got "
                              f"{prompt.shape[0]} rows (ar_spec takes any batch)")
+        from transformers import GenerationConfig
+
         from dllm.kernels import draw_seed
 
         calls = []
@@ -359,38 +384,38 @@ class CausalLMAdapter(_HFAdapter):
             stats.count_call(kwargs["input_ids"])
             calls.append(1)
 
+        models = [self.model] + ([drafter.model] if drafter is not None else [])
+        saved = [model.generation_config for model in models]
+        pad = self.pad_token_id if self.pad_token_id is not None else 0
+        device = self.device
+        mask = torch.ones_like(prompt) if attention_mask is None else attention_mask  # never inferred from pad
+        options = dict(do_sample=temperature > 0, max_new_tokens=max_new_tokens, attention_mask=mask.to(device))
+        if temperature > 0:
+            options.update(temperature=float(temperature), top_k=0, top_p=1.0)
+        if drafter is not None:
+            options["assistant_model"] = drafter.model
         hooks = [self.model.register_forward_pre_hook(target_call, with_kwargs=True)]
         if drafter is not None:
             hooks.append(drafter.model.register_forward_pre_hook(
                 lambda module, args, kwargs: stats.count_call(kwargs["input_ids"], draft=True), with_kwargs=True))
-        device = self.device
-        options = dict(do_sample=temperature > 0, max_new_tokens=max_new_tokens,
-                       pad_token_id=self.pad_token_id if self.pad_token_id is not None else 0)
-        if temperature > 0:
-            options.update(temperature=float(temperature), top_k=0, top_p=1.0)
-        if attention_mask is not None:
-            options["attention_mask"] = attention_mask.to(device)
-        if eos_token_id is None:
-            options["min_new_tokens"] = max_new_tokens  # never stop early: every row gets max_new_tokens
-        else:
-            options["eos_token_id"] = list(eos_token_id)
-        if drafter is not None:
-            options["assistant_model"] = drafter.model
         try:
+            for model in models:
+                model.generation_config = GenerationConfig(
+                    pad_token_id=pad, eos_token_id=None if eos_token_id is None else list(eos_token_id))
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 torch.manual_seed(draw_seed(generator))
                 out = self.model.generate(input_ids=prompt.to(device), **options, **generate_kwargs)
         finally:
             for hook in hooks:
                 hook.remove()
+            for model, config in zip(models, saved, strict=True):
+                model.generation_config = config
         sequences = out.sequences if hasattr(out, "sequences") else out
-        total = prompt.shape[1] + max_new_tokens
-        if sequences.shape[1] < total:  # every row stopped early: pad with its stop token's follow-up pad
-            sequences = torch.cat((sequences, sequences.new_full((sequences.shape[0], total - sequences.shape[1]),
-                                                                 options["pad_token_id"])), dim=1)
+        sequences, lengths = fill_after_stop(sequences.to(prompt.device), prompt.shape[1], max_new_tokens,
+                                             eos_token_id, pad)
         stats.new_tokens += prompt.shape[0] * max_new_tokens
-        stats.rounds += prompt.shape[0] * len(calls)
-        return sequences[:, :total].to(prompt.device)
+        stats.rounds += len(calls) if drafter is not None else int(lengths.sum())
+        return sequences
 
     @torch.inference_mode()
     def forward_cached(
