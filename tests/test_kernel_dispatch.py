@@ -20,6 +20,7 @@ from dllm.models.oracle import HMMOracle
 from dllm.samplers import sequential_distribution
 
 from stat_tools import ALPHA, chi_square_pvalue
+from triton_support import KERNELS_RUN, SKIP_REASON
 
 HAVE_TRITON = __import__("importlib").util.find_spec("triton") is not None
 CUDA = torch.cuda.is_available()
@@ -111,7 +112,7 @@ def test_power_contract_with_a_biased_seed_fails(oracle, contract, monkeypatch):
     assert chi_square_pvalue(answers, expected) < 1e-6
 
 
-@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+@pytest.mark.skipif(not KERNELS_RUN, reason=SKIP_REASON)
 @pytest.mark.skipif(CUDA, reason="interpreter replay; on CUDA the kernel tests run at full size")
 @pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning")
 @pytest.mark.parametrize("sampler,options", [
