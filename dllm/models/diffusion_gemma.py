@@ -7,13 +7,11 @@ the exact block cache of its causal encoder.
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from torch import Tensor
 from transformers import DynamicCache
 
-from .hf import _first_id, _HFAdapter, _padding_mask, fill_after_stop, positions_from_mask
+from .hf import _first_id, _HFAdapter, _padding_mask, fill_after_stop, positions_from_mask, select_rows
 
 
 class DiffusionGemmaCache:
@@ -55,12 +53,7 @@ class DiffusionGemmaCache:
             return DiffusionGemmaCache(self.config, count=torch.zeros(len(rows), dtype=torch.long,
                                                                        device=rows.device),
                                        key_mask=torch.zeros((len(rows), 0), dtype=torch.long, device=rows.device))
-        kv = copy.copy(self.kv)
-        kv.layers = [copy.copy(layer) for layer in self.kv.layers]
-        for layer in kv.layers:
-            if layer.is_initialized:
-                layer.keys, layer.values = layer.keys[rows], layer.values[rows]
-        return DiffusionGemmaCache(self.config, kv, self.key_mask[rows], self.count[rows])
+        return DiffusionGemmaCache(self.config, select_rows(self.kv, rows), self.key_mask[rows], self.count[rows])
 
 
 class DiffusionGemmaAdapter(_HFAdapter):
@@ -270,8 +263,4 @@ class DiffusionGemmaAdapter(_HFAdapter):
                                  cache=cache)
         if len(distinct) == len(enc_ids) and torch.equal(inverse, torch.arange(len(inverse), device=inverse.device)):
             return cache
-        # Index the layers in place: a cache rebuilt from tensors would forget how many tokens a sliding-window
-        # layer has seen (it keeps only the last window - 1), and the decoder's mask would then misalign.
-        for layer in cache.layers:
-            layer.keys, layer.values = layer.keys[inverse], layer.values[inverse]
-        return cache
+        return select_rows(cache, inverse)

@@ -263,6 +263,21 @@ class MaskedLMAdapter(_DiffusionAdapter):
 # ------------------------------------------------------------------ causal adapter and its cache
 
 
+def select_rows(kv: DynamicCache, rows: Tensor) -> DynamicCache:
+    """A copy of ``kv`` holding the given rows (repeats allowed).  # rows [N]
+
+    The layer objects are copied and their tensors indexed: a cache rebuilt from tensors alone would lose what
+    a sliding-window layer counts beyond the entries it keeps (transformers' cumulative_length), and masks
+    built from that count would misalign.
+    """
+    out = copy.copy(kv)
+    out.layers = [copy.copy(layer) for layer in kv.layers]
+    for layer in out.layers:
+        if layer.is_initialized:
+            layer.keys, layer.values = layer.keys[rows], layer.values[rows]
+    return out
+
+
 class HFCache:
     """A Hugging Face ``DynamicCache`` plus the 0/1 mask of the keys it holds (0 = left padding).
 
@@ -308,14 +323,7 @@ class HFCache:
         if self.key_mask is None:
             return HFCache(self.config)
         rows = rows.to(self.key_mask.device)
-        # Copy the layer objects and index their tensors: a cache rebuilt from tensors alone would lose what a
-        # sliding-window layer counts beyond the entries it keeps (transformers' cumulative_length).
-        kv = copy.copy(self.kv)
-        kv.layers = [copy.copy(layer) for layer in self.kv.layers]
-        for layer in kv.layers:
-            if layer.is_initialized:
-                layer.keys, layer.values = layer.keys[rows], layer.values[rows]
-        return HFCache(self.config, kv, self.key_mask[rows])
+        return HFCache(self.config, select_rows(self.kv, rows), self.key_mask[rows])
 
 
 class CausalLMAdapter(_HFAdapter):
