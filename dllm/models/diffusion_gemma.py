@@ -66,12 +66,14 @@ class DiffusionGemmaAdapter(_HFAdapter):
 
     - ``mask_token_id`` is an extra id, ``config vocab_size``; ``vocab_size`` counts it (its logit is -inf).
     - ``block_size`` is the canvas length; samplers pass ``block_offset`` (the answer start), as for any
-      block-causal model. Per row, the active block is the one holding the first mask (the last block
-      when there is none); the decoder reads that block with each mask replaced by a fixed pseudo-random
+      block-causal model. Per row, the active block is the one holding the answer's first mask (the last
+      block when there is none); the model reads masks, there and in a masked prompt (classifier-free
+      guidance), as a fixed pseudo-random
       token of its position (seeded, so the model stays a deterministic function of the revealed tokens,
       which exact samplers need; the reference sampler draws fresh random tokens instead).
     - Logits cover the active block only; positions before it (revealed) and after it (invisible to the
-      decoder) get all-zero logits, which no sampler reads there.
+      decoder) get all-zero logits. ``block_logits_only`` makes samplers' blocks nest inside the model's,
+      so only fef's stale lookahead drafts read such logits (as uniform drafts: wasted, still exact).
     - Left padding: the encoder gets the padding mask and position ids counting real tokens, and the
       decoder ``decoder_attention_mask`` and positions continuing each row's count.
     Self-conditioning is not used. A plain call encodes each distinct prefix in it once. With the exact
