@@ -373,7 +373,7 @@ def test_diffusion_gemma_native_sampler_runs_transformers_generate(folders):
     with pytest.raises(ValueError, match="temperature must be 1.0"):
         dllm.generate(model, prompts, sampler="native", max_new_tokens=4, temperature=0.0)
     with pytest.raises(TypeError, match="sampler='native' runs a checkpoint's own sampler"):
-        dllm.generate(load(folders("dream")), prompts, sampler="native", max_new_tokens=4)
+        dllm.generate(load(folders("bert")), prompts, sampler="native", max_new_tokens=4)
 
 
 def test_causal_native_sampler_is_transformers_generate(folders):
@@ -422,3 +422,20 @@ def test_causal_native_ignores_the_checkpoints_generation_config(folders):
     stopped = dict(max_new_tokens=8, temperature=0.0, eos_token_id=stop)
     native_stopped = dllm.generate(target, prompts, sampler="native", generator=torch.Generator(), **stopped)
     assert torch.equal(native_stopped.sequences, dllm.generate(target, prompts, sampler="ar", **stopped).sequences)
+
+
+def test_dream_native_sampler_runs_its_diffusion_generate(folders):
+    """sampler="native" on Dream: its remote code's diffusion_generate (the stand-in has the documented call
+    shape and calls the model positionally), seeded from the generator, every call counted."""
+    import dllm
+
+    model = load(builders.save_dream(folders("dream").parent / "dream_unmarked", marker_scale=0.0))
+    prompts, mask = torch.tensor([[5, 6, 7], [1, 9, 10]]), torch.tensor([[1, 1, 1], [0, 1, 1]])
+    common = dict(max_new_tokens=8, eos_token_id=None, attention_mask=mask, generate_kwargs={"steps": 4})
+    runs = [dllm.generate(model, prompts, sampler="native", temperature=1.0,
+                          generator=torch.Generator().manual_seed(5), **common) for _ in range(2)]
+    assert torch.equal(runs[0].sequences, runs[1].sequences) and runs[0].sequences.shape == (2, 11)
+    assert not bool((runs[0].sequences == model.mask_token_id).any())
+    assert runs[0].stats.nfe == 4 and runs[0].stats.forward_tokens == 4 * 2 * 11 and runs[0].exact is False
+    greedy = dllm.generate(model, prompts, sampler="native", temperature=0.0, generator=torch.Generator(), **common)
+    assert not torch.equal(greedy.sequences, runs[0].sequences)

@@ -234,6 +234,50 @@ class DreamAdapter(_DiffusionAdapter):
             raw = self.model(input_ids=input_ids, attention_mask=keys, position_ids=positions_from_mask(mask)).logits
         return torch.cat((raw[:, :1], raw[:, :-1]), dim=1)
 
+    def native_generate(self, prompt: Tensor, max_new_tokens: int, *, temperature: float, generator, stats,
+                        attention_mask: Tensor | None = None, eos_token_id=None, **generate_kwargs) -> Tensor:
+        """Dream's own ``diffusion_generate`` (its remote code) for ``sampler="native"`` -> [B, P + N].
+
+        ``temperature`` goes to it as is; ``steps``, ``alg``, ``top_p``... through ``generate_kwargs`` (its
+        defaults otherwise). Its noise comes from torch's global generator, seeded from ``generator`` inside
+        ``fork_rng``; every model call is counted in ``stats``; after a stop token rows hold the stop id.
+        """
+        if not callable(getattr(self.model, "diffusion_generate", None)):
+            raise TypeError("sampler='native' needs the checkpoint's diffusion_generate (Dream's remote code); "
+                            f"{type(self.model).__name__} has none")
+        if not isinstance(generator, torch.Generator):
+            raise TypeError("sampler='native' draws from torch's global generator: pass one torch.Generator")
+        from dllm.kernels import draw_seed
+
+        device = self.device
+        mask = torch.ones_like(prompt) if attention_mask is None else attention_mask
+        hook = _count_calls(self.model, stats)
+        try:
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                torch.manual_seed(draw_seed(generator))
+                out = self.model.diffusion_generate(prompt.to(device), attention_mask=mask.to(device),
+                                                    max_new_tokens=max_new_tokens, temperature=float(temperature),
+                                                    return_dict_in_generate=True, **generate_kwargs)
+        finally:
+            hook.remove()
+        sequences = out.sequences if hasattr(out, "sequences") else out
+        pad = self.pad_token_id if self.pad_token_id is not None else 0
+        sequences, _ = fill_after_stop(sequences.to(prompt.device), prompt.shape[1], max_new_tokens,
+                                       eos_token_id, pad)
+        stats.new_tokens += prompt.shape[0] * max_new_tokens
+        stats.rounds += prompt.shape[0] * stats.nfe  # a round: one denoising step of one row
+        return sequences
+
+
+def _count_calls(module, stats, draft: bool = False):
+    """A forward pre-hook on ``module`` counting each call in ``stats`` (input ids by keyword or first
+    positional argument, as checkpoints' own loops pass them) -> the hook handle."""
+    def hook(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        stats.count_call(ids, draft=draft)
+
+    return module.register_forward_pre_hook(hook, with_kwargs=True)
+
 
 class MaskedLMAdapter(_DiffusionAdapter):
     """Any Hugging Face masked LM (BERT, RoBERTa, ModernBERT, ...) as a one-noise-level masked diffusion model.
