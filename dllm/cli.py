@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -27,7 +28,12 @@ def main(argv: list[str] | None = None) -> int:
                        ("bench", "AR vs diffusion speed study"), ("train", "train the small default models")]:
         sub.add_parser(name, help=text)
     args = parser.parse_args(argv)
-    return _generate(args)
+    try:
+        return _generate(args)
+    except (ValueError, TypeError) as error:  # the library's bad-input errors name the parameter: say just that
+        if os.environ.get("DLLM_DEBUG"):
+            raise
+        raise SystemExit(f"dllm generate: {error}") from None
 
 
 def _add_generate(p: argparse.ArgumentParser) -> None:

@@ -60,3 +60,8 @@ def test_ar_spec_default_drafts_with_the_shipped_diffusion_model(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["options"]["num_draft_tokens"] == 8 and out["exact"] is True
     assert out["stats"]["nfe_draft"] == out["stats"]["nfe"]  # one drafter call per round: the diffusion model
+
+
+def test_bad_input_is_one_line_naming_the_parameter():
+    with pytest.raises(SystemExit, match="dllm generate: window must be >= 1, got 0"):
+        main(["generate", "--demo", "--option", "window=0", "--max-new-tokens", "4"])
