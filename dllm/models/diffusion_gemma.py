@@ -11,7 +11,15 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
-from .hf import _first_id, _HFAdapter, _padding_mask, fill_after_stop, positions_from_mask, select_rows
+from .hf import (
+    _first_id,
+    _HFAdapter,
+    _padding_mask,
+    count_calls,
+    fill_after_stop,
+    positions_from_mask,
+    select_rows,
+)
 
 
 class DiffusionGemmaCache:
@@ -177,14 +185,8 @@ class DiffusionGemmaAdapter(_HFAdapter):
 
         inner = self.model.model
         steps = []
-
-        def denoising_step(module, args, kwargs):
-            stats.count_call(kwargs["decoder_input_ids"])
-            steps.append(1)
-
-        hooks = [inner.encoder.register_forward_pre_hook(
-                     lambda module, args, kwargs: stats.count_call(kwargs["input_ids"]), with_kwargs=True),
-                 inner.decoder.register_forward_pre_hook(denoising_step, with_kwargs=True)]
+        hooks = [count_calls(inner.encoder, stats), count_calls(inner.decoder, stats, key="decoder_input_ids",
+                                                                calls=steps)]
         device = self.device
         extra = {"attention_mask": attention_mask.to(device)} if attention_mask is not None else {}
         if eos_token_id is not None:

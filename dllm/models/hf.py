@@ -251,7 +251,7 @@ class DreamAdapter(_DiffusionAdapter):
 
         device = self.device
         mask = torch.ones_like(prompt) if attention_mask is None else attention_mask
-        hook = _count_calls(self.model, stats)
+        hook = count_calls(self.model, stats)
         try:
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 torch.manual_seed(draw_seed(generator))
@@ -269,12 +269,13 @@ class DreamAdapter(_DiffusionAdapter):
         return sequences
 
 
-def _count_calls(module, stats, draft: bool = False):
-    """A forward pre-hook on ``module`` counting each call in ``stats`` (input ids by keyword or first
-    positional argument, as checkpoints' own loops pass them) -> the hook handle."""
+def count_calls(module, stats, draft: bool = False, key: str = "input_ids", calls: list | None = None):
+    """A forward pre-hook on ``module`` counting each call in ``stats`` (the ids under ``key``, or the first
+    positional argument, as checkpoints' own loops pass them), also appended to ``calls`` -> the handle."""
     def hook(module, args, kwargs):
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        stats.count_call(ids, draft=draft)
+        stats.count_call(kwargs.get(key, args[0] if args else None), draft=draft)
+        if calls is not None:
+            calls.append(1)
 
     return module.register_forward_pre_hook(hook, with_kwargs=True)
 
@@ -431,11 +432,6 @@ class CausalLMAdapter(_HFAdapter):
         from dllm.kernels import draw_seed
 
         calls = []
-
-        def target_call(module, args, kwargs):
-            stats.count_call(kwargs["input_ids"])
-            calls.append(1)
-
         models = [self.model] + ([drafter.model] if drafter is not None else [])
         saved = [model.generation_config for model in models]
         pad = self.pad_token_id if self.pad_token_id is not None else 0
@@ -446,10 +442,9 @@ class CausalLMAdapter(_HFAdapter):
             options.update(temperature=float(temperature), top_k=0, top_p=1.0)
         if drafter is not None:
             options["assistant_model"] = drafter.model
-        hooks = [self.model.register_forward_pre_hook(target_call, with_kwargs=True)]
+        hooks = [count_calls(self.model, stats, calls=calls)]
         if drafter is not None:
-            hooks.append(drafter.model.register_forward_pre_hook(
-                lambda module, args, kwargs: stats.count_call(kwargs["input_ids"], draft=True), with_kwargs=True))
+            hooks.append(count_calls(drafter.model, stats, draft=True))
         try:
             for model in models:
                 model.generation_config = GenerationConfig(
