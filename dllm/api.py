@@ -15,6 +15,7 @@ from dllm.numerics import RowGenerators
 from dllm.protocols import accepts_attention_mask, is_causal_model, is_diffusion_model
 from dllm.samplers import SAMPLERS, SamplerSpec
 from dllm.stats import DecodeStats
+from dllm.stops import answer_lengths, resolve
 
 APPROXIMATE_CACHES = ("prefix", "dual")  # Fast-dLLM caches: cached keys go stale, outputs drift
 
@@ -51,8 +52,9 @@ def generate(
     list of generators, one per row, makes each row's sample independent of the rest of the batch.
     ``attention_mask`` [B, P] (1 = token, 0 = left padding) allows ragged prompts for models that accept
     it. Rows stop at ``eos_token_id``: one id or several (default: the model's ``stop_token_ids`` or
-    ``eos_token_id`` attribute, if any; None disables); tokens after a row's first stop token are
-    filled with the first stop id and not counted as generated.
+    ``eos_token_id`` attribute, if any; None disables), by the rule of ``dllm.stops``: the stop token
+    is kept, positions after it hold the first stop id, and ``stats.new_tokens`` counts up to and
+    including the stop.
     """
     spec = _check_sampler(sampler)
     _check_model(model, spec)
@@ -72,7 +74,7 @@ def generate(
         raise TypeError(f"generator must be a torch.Generator, a list of them (one per row) or None, "
                         f"got {type(generator).__name__}")
     attention_mask = _check_attention_mask(attention_mask, input_ids, model)
-    stop_ids = _stop_ids(model, eos_token_id)
+    stop_ids = resolve(model, eos_token_id)
     resolved = spec.resolve(options, model=model, max_new_tokens=max_new_tokens)
 
     stats = DecodeStats()
@@ -89,13 +91,6 @@ def generate(
         shown["drafter"] = type(shown["drafter"]).__name__
     exact = spec.exact and shown.get("cache") not in APPROXIMATE_CACHES and shown.get("verifier") != "structured"
     return GenerateOutput(sequences, stats, sampler, shown, exact, seed)
-
-
-def answer_lengths(answers: torch.Tensor, eos_token_id: int | Sequence[int]) -> torch.Tensor:
-    """Generated tokens per row up to and including the first stop token (all without one) -> [B]."""
-    ids = (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id)
-    is_eos = torch.isin(answers, torch.tensor(ids, device=answers.device))
-    return torch.where(is_eos.any(dim=1), is_eos.long().argmax(dim=1) + 1, answers.shape[1])
 
 
 def _check_sampler(sampler: str) -> SamplerSpec:
@@ -139,22 +134,6 @@ def _check_input_ids(input_ids, model, spec: SamplerSpec) -> None:
     mask_id = getattr(model, "mask_token_id", None)
     if not causal and mask_id is not None and bool((input_ids == mask_id).any()):
         raise ValueError(f"input_ids must not contain the mask token (id {mask_id}) in the prompt")
-
-
-def _stop_ids(model, eos_token_id) -> tuple[int, ...] | None:
-    """Normalise ``eos_token_id`` (one id, several, None, or "model") to a tuple of ids or None."""
-    if isinstance(eos_token_id, str):
-        if eos_token_id != "model":
-            raise ValueError(f"eos_token_id must be an int, a sequence of ints, None or 'model', got {eos_token_id!r}")
-        eos_token_id = getattr(model, "stop_token_ids", None) or getattr(model, "eos_token_id", None)
-    if eos_token_id is None:
-        return None
-    ids = (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id)
-    for value in ids:
-        _check_int("eos_token_id", value, minimum=0)
-    if not ids or max(ids) >= model.vocab_size:
-        raise ValueError(f"eos_token_id must name ids in [0, vocab_size={model.vocab_size}), got {list(ids)}")
-    return ids
 
 
 def _check_attention_mask(attention_mask, input_ids: torch.Tensor, model) -> torch.Tensor | None:

@@ -46,7 +46,6 @@ from typing import Any
 import torch
 
 import dllm
-from dllm.api import answer_lengths
 from dllm.eval.answers import truncate_at_stop
 from dllm.eval.report import RUN_FILE, SAMPLES_FILE, SUMMARY_FILE, load_samples, parse_samples, summarize_folder
 from dllm.eval.tasks import TASKS, get_task
@@ -54,6 +53,7 @@ from dllm.models.chat import has_chat_template
 from dllm.models.loading import KINDS
 from dllm.protocols import is_causal_model
 from dllm.samplers import SAMPLERS
+from dllm.stops import answer_lengths, resolve
 
 __all__ = ["EvalConfig", "EvalError", "batch_seed", "default_model", "left_pad", "main", "model_device", "parse_value",
            "run"]
@@ -455,19 +455,13 @@ def _prompt_text(task, problem: dict, tokenizer) -> str:
     return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
 
 
-def _stop_ids(model) -> tuple[int, ...] | None:
-    """The ids generate stops at by default (the model's stop_token_ids, else its EOS)."""
-    ids = getattr(model, "stop_token_ids", None) or getattr(model, "eos_token_id", None)
-    return None if ids is None else ((ids,) if isinstance(ids, int) else tuple(ids))
-
-
 def _make_job(config: EvalConfig, model, task, options: dict) -> _Job:
     tokenizer = model.tokenizer
     problems = task.load(config.limit)
     prompts = [_prompt_text(task, p, tokenizer) for p in problems]
     # Chat text already holds the template's special tokens; plain prompts get the tokenizer's (e.g. BOS).
     encoded = tokenizer(prompts, add_special_tokens=not config.chat)["input_ids"]
-    return _Job(config, model, task, problems, prompts, encoded, options, _stop_ids(model))
+    return _Job(config, model, task, problems, prompts, encoded, options, resolve(model))  # generate's default
 
 
 def _batches(job: _Job) -> list[list[_Item]]:

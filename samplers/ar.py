@@ -33,8 +33,9 @@ from dllm.kernels import verify_logits
 from dllm.numerics import bind_rows, forbid_token, sample_from_logits
 from dllm.protocols import has_cache, is_diffusion_model
 from dllm.stats import DecodeStats
+from dllm.stops import emitted_until_stop, fill_token, is_stop
 
-from .canvas import Caller, is_stop
+from .canvas import Caller
 
 
 def ar(
@@ -97,7 +98,7 @@ def ar_spec(
         outcome = verify_logits(drafts, draft_logits, target, num_drafts, temperature=temperature,
                                 generator=bind_rows(generator, rows))
         stats.count_verification(num_drafts, outcome.num_accepted, outcome.num_emitted)
-        emitted, stopped = _cut_at_eos(outcome.tokens, outcome.num_emitted, eos_token_id)
+        emitted, stopped = emitted_until_stop(outcome.tokens, outcome.num_emitted, eos_token_id)
         offsets = torch.arange(outcome.tokens.shape[1], device=seq.device)
         hit = offsets[None, :] < emitted[:, None]
         seq[rows[:, None].expand_as(hit)[hit], (length[:, None] + offsets)[hit]] = outcome.tokens[hit]
@@ -138,9 +139,9 @@ def _use_cache(cache: str, model) -> bool:
 
 
 def _buffer(prompt: torch.Tensor, gen_length: int, eos_token_id: tuple[int, ...] | None) -> torch.Tensor:
-    """[B, P + N] holding the prompt, then EOS (or 0) where rows stop early."""
-    fill = eos_token_id[0] if eos_token_id else 0
-    seq = torch.full((prompt.shape[0], prompt.shape[1] + gen_length), fill, dtype=torch.long, device=prompt.device)
+    """[B, P + N] holding the prompt, then the fill token (dllm.stops) where rows stop early."""
+    seq = torch.full((prompt.shape[0], prompt.shape[1] + gen_length), fill_token(eos_token_id), dtype=torch.long,
+                     device=prompt.device)
     seq[:, : prompt.shape[1]] = prompt
     return seq
 
@@ -152,17 +153,6 @@ def _full_mask(attention_mask, batch: int, length: int, device) -> torch.Tensor 
     full = torch.ones((batch, length), dtype=torch.long, device=device)
     full[:, : attention_mask.shape[1]] = attention_mask
     return full
-
-
-def _cut_at_eos(tokens: torch.Tensor, num_emitted: torch.Tensor, eos_token_id: tuple[int, ...] | None):
-    """Emitted counts cut just after the first EOS among each row's emitted tokens, and which rows
-    emitted one -> ([R], bool [R])."""
-    if eos_token_id is None:
-        return num_emitted, torch.zeros_like(num_emitted, dtype=torch.bool)
-    offsets = torch.arange(tokens.shape[1], device=tokens.device)
-    is_eos = is_stop(tokens, eos_token_id) & (offsets[None, :] < num_emitted[:, None])
-    stopped = is_eos.any(dim=1)
-    return torch.where(stopped, is_eos.long().argmax(dim=1) + 1, num_emitted), stopped
 
 
 def _target_rows(caller: Caller, kv, seq, rows, length, drafts) -> torch.Tensor:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dllm import stops
 from dllm.stats import DecodeStats
 
 CACHE_MODES = ("auto", "none", "block", "prefix", "dual")
@@ -33,7 +34,7 @@ class Canvas:
     prompt_length: int
     block_length: int
     mask_token_id: int
-    eos_token_id: tuple[int, ...] | None = None  # stop tokens; the first one fills stopped rows
+    eos_token_id: tuple[int, ...] | None = None  # stop ids (dllm.stops); the first one fills stopped rows
     finished: torch.Tensor | None = None  # [B] rows that stopped at EOS
 
     @classmethod
@@ -60,26 +61,21 @@ class Canvas:
         return pending.nonzero().squeeze(-1)
 
     def stop_at_eos(self, rows: torch.Tensor) -> None:
-        """Finish rows whose first revealed EOS has no mask before it; everything after it becomes EOS.
+        """Finish rows whose first revealed stop token has no mask before it, filling what follows it
+        (the rule of ``dllm.stops``: the stop token is kept).
 
-        Tokens after the first EOS are not part of the answer, so stopping there keeps every sampler's
+        Tokens after the first stop are not part of the answer, so stopping there keeps every sampler's
         answer distribution unchanged while the row stops costing calls.
         """
         if self.eos_token_id is None or not rows.numel():
             return
         answer = self.x[rows, self.prompt_length :]
-        is_eos = is_stop(answer, self.eos_token_id)
-        first = torch.where(is_eos.any(dim=1), is_eos.long().argmax(dim=1), answer.shape[1])
+        first = stops.first_stop(answer, self.eos_token_id)  # [R]
         before = torch.arange(answer.shape[1], device=answer.device)[None, :] < first[:, None]
-        done = is_eos.any(dim=1) & ~((answer == self.mask_token_id) & before).any(dim=1)
-        answer = torch.where(done[:, None] & ~before, self.eos_token_id[0], answer)
-        self.x[rows, self.prompt_length :] = answer
-        self.finished[rows] |= done
-
-
-def is_stop(tokens: torch.Tensor, stop_ids: tuple[int, ...]) -> torch.Tensor:
-    """Which entries of ``tokens`` are stop (EOS) tokens -> bool, same shape."""
-    return torch.isin(tokens, torch.tensor(stop_ids, device=tokens.device))
+        done = (first < answer.shape[1]) & ~((answer == self.mask_token_id) & before).any(dim=1)
+        if bool(done.any()):
+            self.x[rows[done], self.prompt_length :] = stops.fill_after_stop(answer[done], self.eos_token_id)
+            self.finished[rows[done]] = True
 
 
 def block_candidates(x: torch.Tensor, block_ids: torch.Tensor, mask_token_id: int) -> torch.Tensor:

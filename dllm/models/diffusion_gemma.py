@@ -11,12 +11,13 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
+from dllm.stops import fit_output
+
 from .hf import (
     _first_id,
     _HFAdapter,
     _padding_mask,
     count_calls,
-    fill_after_stop,
     positions_from_mask,
     select_rows,
 )
@@ -201,8 +202,7 @@ class DiffusionGemmaAdapter(_HFAdapter):
                 hook.remove()
         sequences = out.sequences if hasattr(out, "sequences") else out
         pad = self.pad_token_id if self.pad_token_id is not None else 0
-        sequences, _ = fill_after_stop(sequences.to(prompt.device), prompt.shape[1], max_new_tokens, eos_token_id,
-                                       pad)
+        sequences, _ = fit_output(sequences.to(prompt.device), prompt.shape[1], max_new_tokens, eos_token_id, pad)
         stats.new_tokens += prompt.shape[0] * max_new_tokens  # (generate cuts at stop tokens after this)
         stats.rounds += prompt.shape[0] * len(steps)  # a round: one denoising step of one row
         return sequences

@@ -23,6 +23,8 @@ from einops import rearrange
 from torch import Tensor
 from transformers import DynamicCache
 
+from dllm.stops import fit_output
+
 # Chat templates end an assistant turn with one of these (LLaDA/Llama 3, Qwen/Dream, Gemma).
 END_OF_TURN_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|end_of_turn|>", "<end_of_turn>")
 
@@ -48,25 +50,6 @@ def _special_id(name: str, tokenizer, config) -> int | None:
     """``{name}_token_id`` from the tokenizer, else from the config."""
     value = getattr(tokenizer, f"{name}_token_id", None)
     return _first_id(value if value is not None else getattr(config, f"{name}_token_id", None))
-
-
-def fill_after_stop(sequences: Tensor, prompt_length: int, max_new_tokens: int, stop_ids, pad: int):
-    """A generate() output cut or padded to [B, P + N], each row's tokens after its first stop token set to
-    the first stop id (what ``ar`` leaves there) -> (sequences, generated tokens per row up to the stop [B])."""
-    total = prompt_length + max_new_tokens
-    if sequences.shape[1] < total:  # every row stopped early
-        sequences = torch.cat((sequences, sequences.new_full((sequences.shape[0], total - sequences.shape[1]),
-                                                             pad)), dim=1)
-    sequences = sequences[:, :total].clone()
-    answers = sequences[:, prompt_length:]
-    if not stop_ids:
-        return sequences, torch.full((sequences.shape[0],), max_new_tokens, device=sequences.device)
-    is_stop = torch.isin(answers, torch.tensor(list(stop_ids), device=answers.device))
-    stopped = is_stop.any(dim=1)
-    lengths = torch.where(stopped, is_stop.long().argmax(dim=1) + 1, max_new_tokens)
-    after = torch.arange(max_new_tokens, device=answers.device)[None, :] >= lengths[:, None]
-    answers[after] = stop_ids[0]
-    return sequences, lengths
 
 
 def _output_size(model) -> int:
@@ -240,7 +223,7 @@ class DreamAdapter(_DiffusionAdapter):
 
         ``temperature`` goes to it as is; ``steps``, ``alg``, ``top_p``... through ``generate_kwargs`` (its
         defaults otherwise). Its noise comes from torch's global generator, seeded from ``generator`` inside
-        ``fork_rng``; every model call is counted in ``stats``; after a stop token rows hold the stop id.
+        ``fork_rng``; every model call is counted in ``stats``; rows follow the stop rule of ``dllm.stops``.
         """
         if not callable(getattr(self.model, "diffusion_generate", None)):
             raise TypeError("sampler='native' needs the checkpoint's diffusion_generate (Dream's remote code); "
@@ -262,8 +245,7 @@ class DreamAdapter(_DiffusionAdapter):
             hook.remove()
         sequences = out.sequences if hasattr(out, "sequences") else out
         pad = self.pad_token_id if self.pad_token_id is not None else 0
-        sequences, _ = fill_after_stop(sequences.to(prompt.device), prompt.shape[1], max_new_tokens,
-                                       eos_token_id, pad)
+        sequences, _ = fit_output(sequences.to(prompt.device), prompt.shape[1], max_new_tokens, eos_token_id, pad)
         stats.new_tokens += prompt.shape[0] * max_new_tokens
         stats.rounds += prompt.shape[0] * stats.nfe  # a round: one denoising step of one row
         return sequences
@@ -416,8 +398,8 @@ class CausalLMAdapter(_HFAdapter):
         ``generate_kwargs`` add processors on purpose. Noise comes from torch's global generator, seeded from
         ``generator`` inside ``fork_rng``. Every target and assistant call is counted in ``stats`` (the
         assistant's as draft calls). A round is one row's target call while it runs, so
-        mean_acceptance_length reads as tokens per target call. After a row's stop token the row holds the
-        first stop id, as ``ar`` leaves it.
+        mean_acceptance_length reads as tokens per target call. Rows follow the stop rule of ``dllm.stops``,
+        as ``ar``'s do.
         """
         if not isinstance(generator, torch.Generator):
             raise TypeError("sampler='native' draws from torch's global generator: pass one torch.Generator")
@@ -458,8 +440,8 @@ class CausalLMAdapter(_HFAdapter):
             for model, config in zip(models, saved, strict=True):
                 model.generation_config = config
         sequences = out.sequences if hasattr(out, "sequences") else out
-        sequences, lengths = fill_after_stop(sequences.to(prompt.device), prompt.shape[1], max_new_tokens,
-                                             eos_token_id, pad)
+        sequences, lengths = fit_output(sequences.to(prompt.device), prompt.shape[1], max_new_tokens,
+                                        eos_token_id, pad)
         stats.new_tokens += prompt.shape[0] * max_new_tokens
         stats.rounds += len(calls) if drafter is not None else int(lengths.sum())
         return sequences
