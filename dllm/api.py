@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from dllm.numerics import RowGenerators
-from dllm.protocols import accepts_attention_mask, is_causal_model, is_diffusion_model
+from dllm.protocols import accepts_attention_mask, is_causal_model, is_diffusion_model, needs_prompt
 from dllm.samplers import SAMPLERS, SamplerSpec
 from dllm.stats import DecodeStats
 from dllm.stops import answer_lengths, resolve
@@ -128,6 +128,9 @@ def _check_input_ids(input_ids, model, spec: SamplerSpec) -> None:
     causal = spec.model_kind == "causal" or (spec.model_kind == "any" and is_causal_model(model))
     if causal and input_ids.shape[1] < 1:
         raise ValueError("input_ids must hold at least one token for a causal model (a BOS token, say)")
+    if needs_prompt(model) and input_ids.shape[1] < 1:
+        raise ValueError(f"input_ids must hold at least one token for {type(model).__name__} (needs_prompt: it "
+                         "cannot decode after an empty prompt); give a prompt, a BOS token say")
     if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= model.vocab_size):
         raise ValueError(f"input_ids must lie in [0, vocab_size={model.vocab_size}), got "
                          f"[{int(input_ids.min())}, {int(input_ids.max())}]")

@@ -68,6 +68,10 @@ def is_causal_model(model: object) -> bool:
 #   covers cached plus new keys. ``model.cache_exact`` (bool) says whether cached logits equal uncached
 #   ones: True for causal models, and for block-causal models while the cache holds only whole blocks
 #   before the inputs' block; False for bidirectional models (a Fast-dLLM-style approximation, opt-in).
+#
+# needs_prompt: a model whose attribute ``needs_prompt`` is True cannot decode after an empty prompt (an
+#   encoder that reads the prompt, say); ``generate`` refuses empty prompts for it. Every other model
+#   decodes from an empty prompt with every sampler and cache mode.
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -77,3 +81,7 @@ def accepts_attention_mask(model: object) -> bool:
 
 def has_cache(model: object) -> bool:
     return callable(getattr(model, "forward_cached", None)) and callable(getattr(model, "new_cache", None))
+
+
+def needs_prompt(model: object) -> bool:
+    return bool(getattr(model, "needs_prompt", False))

@@ -199,7 +199,9 @@ class BlockCacheSession:
     def begin_block(self, block: int) -> None:
         self.block = block
         start, _ = self.canvas.span(block)
-        if start > self.cached_until and not (self.folds and block > 0):
+        # Folding writes through the cache's rows, so the cache must hold them already: after an empty
+        # prompt the first finished block is filled on its own.
+        if start > self.cached_until and not (self.folds and self.cached_until > 0):
             self._fill(start)
 
     def _fill(self, start: int) -> None:

@@ -179,17 +179,21 @@ def _transfer_schedule(block_length: int, steps: int) -> list[int]:
 
 
 def _filter_logits(logits: torch.Tensor, temperature: float, top_p: float | None, top_k: int | None):
-    """Dream's logit processing: temperature, then nucleus (top_p) and top_k truncation."""
+    """Dream's logit processing (its ``sample_tokens``): temperature, then nucleus (top_p), then top_k
+    truncation of what is left.  # [..., V] -> [..., V], dropped tokens at -inf"""
     out = logits.float() / temperature if temperature > 0 else logits.float()
+    if top_p is not None and top_p < 1.0:
+        # Dream's tie rule (not transformers' TopPLogitsWarper, which keeps by cumulative <= 1 - top_p from
+        # the bottom): a token is dropped when the tokens ranked above it already hold more than top_p.
+        sorted_logits, order = out.sort(dim=-1, descending=True)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        drop_sorted = torch.zeros_like(cumulative, dtype=torch.bool)
+        drop_sorted[..., 1:] = cumulative[..., :-1] > top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        out = out.masked_fill(drop, float("-inf"))
     if top_k is not None:
         kth = out.topk(min(top_k, out.shape[-1]), dim=-1).values[..., -1:]
         out = out.masked_fill(out < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, order = out.sort(dim=-1, descending=True)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        drop_sorted = cumulative - sorted_logits.softmax(-1) >= top_p  # keep the token that crosses top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        out = out.masked_fill(drop, float("-inf"))
     return out
 
 

@@ -309,6 +309,17 @@ def test_diffusion_gemma_block_cache_changes_nothing(folders, sampler, options):
         assert runs[1].stats.forward_tokens < runs[0].stats.forward_tokens
 
 
+def test_diffusion_gemma_refuses_an_empty_prompt(folders):
+    """Its encoder reads the prompt (needs_prompt): generate says so for every cache mode, before decoding."""
+    import dllm
+
+    model = load(folders("diffusion_gemma"))
+    for cache in ("none", "auto", "block"):
+        with pytest.raises(ValueError, match="input_ids must hold at least one token for DiffusionGemmaAdapter"):
+            dllm.generate(model, torch.zeros((1, 0), dtype=torch.long), sampler="fef", max_new_tokens=4,
+                          cache=cache)
+
+
 def test_diffusion_gemma_sampler_blocks_nest_in_its_blocks(folders):
     import dllm
 

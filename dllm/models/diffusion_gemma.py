@@ -92,6 +92,7 @@ class DiffusionGemmaAdapter(_HFAdapter):
     """
 
     cache_exact = True
+    needs_prompt = True  # its encoder reads the tokens before the active block: there must be some
     block_logits_only = True  # samplers' blocks must nest inside the model's (see samplers/registry.py)
 
     def __init__(self, model, tokenizer=None, mask_token_id: int | None = None, fill_seed: int = 0):
