@@ -136,6 +136,7 @@ def test_exact_with_two_stop_ids(oracle, sampler, options):
     answers = out.sequences[:, PROMPT.numel():]
     assert chi_square_pvalue(answers, law) > ALPHA
     assert chi_square_pvalue(old_rule(answers, ids), law) < 1e-6
+    assert sampler != "fef" or out.stats.accepted < out.stats.drafted  # the residual path ran
     assert out.stats.new_tokens == int(stops.answer_lengths(answers, ids).sum()) < N_SAMPLES * GEN
 
 
@@ -153,6 +154,7 @@ def test_exact_with_two_stop_ids_under_the_block_cache(block_model, sampler, opt
     assert out.options["cache"] == "block"
     assert chi_square_pvalue(answers, law) > ALPHA
     assert chi_square_pvalue(old_rule(answers, ids), law) < 1e-6
+    assert sampler != "fef" or out.stats.accepted < out.stats.drafted
 
 
 # ----------------------------------------------------------------------------- empty prompts
