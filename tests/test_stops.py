@@ -189,8 +189,29 @@ def test_empty_prompt_under_every_cache_mode(sampler, options):
         for cache in ("auto", "block", "prefix", "dual"):
             out = dllm.generate(model, empty, cache=cache, **common)
             assert torch.equal(out.sequences, plain.sequences), cache
+        # With stop ids, rows end early and the rest of each row follows the rule: greedy decisions before
+        # a row's stop are the unstopped ones, so the output is the unstopped output, filled after the stop.
+        ids = tuple(dict.fromkeys((int(plain.sequences[1, 6]), int(plain.sequences[0, 2]))))
+        for cache in ("none", "block", "dual"):
+            out = dllm.generate(model, empty, cache=cache, **{**common, "eos_token_id": ids})
+            assert torch.equal(out.sequences, stops.fill_after_stop(plain.sequences, ids)), cache
+            assert out.stats.new_tokens == int(stops.answer_lengths(plain.sequences, ids).sum()) < 24
         sampled = dllm.generate(model, empty, cache="block", **{**common, "temperature": 1.0})
     assert not bool((sampled.sequences == model.mask_token_id).any())
+
+
+def test_empty_prompt_with_the_structured_verifier():
+    torch.manual_seed(0)
+    config = TransformerConfig(vocab_size=40, dim=32, n_layers=1, n_heads=2, max_seq_len=64, layout="block_causal",
+                               block_size=4, mask_token_id=2)
+    model = TransformerLM(config).eval()
+    empty = torch.zeros((2, 0), dtype=torch.long)
+    common = dict(sampler="fef", max_new_tokens=12, block_length=4, temperature=0.0, eos_token_id=None)
+    with torch.no_grad():
+        plain = dllm.generate(model, empty, cache="none", **common)
+        for cache in ("none", "block"):
+            out = dllm.generate(model, empty, cache=cache, verifier="structured", draft="stale", **common)
+            assert torch.equal(out.sequences, plain.sequences), cache  # one layer: the copies' conditionals
 
 
 def test_empty_prompt_on_a_model_without_a_cache():
