@@ -73,9 +73,9 @@ class Canvas:
         first = stops.first_stop(answer, self.eos_token_id)  # [R]
         before = torch.arange(answer.shape[1], device=answer.device)[None, :] < first[:, None]
         done = (first < answer.shape[1]) & ~((answer == self.mask_token_id) & before).any(dim=1)
-        if bool(done.any()):
-            self.x[rows[done], self.prompt_length :] = stops.fill_after_stop(answer[done], self.eos_token_id)
-            self.finished[rows[done]] = True
+        filled = stops.fill_after_stop(answer, self.eos_token_id)
+        self.x[rows, self.prompt_length :] = torch.where(done[:, None], filled, answer)  # (no host sync)
+        self.finished[rows] |= done
 
 
 def block_candidates(x: torch.Tensor, block_ids: torch.Tensor, mask_token_id: int) -> torch.Tensor:
