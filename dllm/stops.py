@@ -38,6 +38,9 @@ def resolve(model, eos_token_id: int | Sequence[int] | str | None = "model") -> 
         eos_token_id, source = model_stop_ids(model), f"eos_token_id ('model': {type(model).__name__}'s stop ids)"
     if eos_token_id is None:
         return None
+    if not isinstance(eos_token_id, int | Sequence):
+        raise TypeError(f"{source} must be an int, a sequence of ints, None or 'model', got "
+                        f"{type(eos_token_id).__name__}")
     ids = (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id)
     if not ids:
         raise ValueError(f"{source} must name at least one id (None disables stopping), got []")

@@ -239,6 +239,7 @@ def test_mask_id_as_stop_is_refused(eos, source):
 @pytest.mark.parametrize("eos,error,match", [
     ([], ValueError, "at least one id"), ([1, 11], ValueError, r"\[0, vocab_size=11\)"),
     ([1.0], TypeError, "must hold ints"), (True, TypeError, "must hold ints"), ("eos", ValueError, "'model'"),
+    (1.0, TypeError, "eos_token_id must be an int, a sequence of ints, None or 'model', got float"),
 ])
 def test_bad_stop_ids_are_named(eos, error, match):
     with pytest.raises(error, match=match):
