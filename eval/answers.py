@@ -15,8 +15,11 @@ __all__ = [
     "extract_final_answer_sentence",
     "extract_last_number",
     "extract_math_answer",
+    "extract_stated_number",
     "extract_strict_number",
     "gsm8k_reference",
+    "lm_eval_gsm8k_answer",
+    "lm_eval_gsm8k_match",
     "math_reference",
     "normalize_number",
     "truncate_at_stop",
@@ -74,6 +77,68 @@ def extract_strict_number(text: str) -> str | None:
         if match:
             return normalize_number(match.group(1))
     return None
+
+
+# LaTeX that may wrap a boxed number: `\$`, thin spaces, `{,}` separators, `\%`, `\text{...}` units.
+_BOX_NOISE_RE = re.compile(r"\\[$,!;% ]|\{,\}|\\(?:text|mathrm|mbox)\{[^{}]*\}|\^\\circ")
+_BOXED_NUMBER_RE = re.compile(rf"\s*({_NUMBER})\s*\.?\s*")
+
+
+def _boxed_number(content: str) -> str | None:
+    r"""The number a `\boxed{}` holds (`\$1{,}200`, `13 \text{ apples}`, `4.`), None for an expression."""
+    match = _BOXED_NUMBER_RE.fullmatch(_BOX_NOISE_RE.sub(lambda m: "," if m.group(0) == "{,}" else "", content))
+    return normalize_number(match.group(1)) if match else None
+
+
+def extract_stated_number(text: str) -> str | None:
+    r"""The answer a completion states explicitly, normalised; None when it states none.
+
+    The first `#### N` wins (GSM8K's end-of-solution marker: what follows is the model running on);
+    otherwise the last "The (final) answer is N" or numeric `\boxed{N}`, as a later statement
+    corrects an earlier one. Text after the statement, numbers included, does not count.
+    """
+    text = text.replace("\u2212", "-")
+    marked = _STRICT_RES[0].search(text)
+    if marked:
+        return normalize_number(marked.group(1))
+    stated = [(m.start(), normalize_number(m.group(1))) for m in _STRICT_RES[1].finditer(text)]
+    for match in re.finditer(r"\\(?:boxed|fbox)\s*\{", text):
+        content = _balanced_group(text, match.end() - 1)
+        number = None if content is None else _boxed_number(content)
+        if number is not None:
+            stated.append((match.start(), number))
+    return max(stated)[1] if stated else None
+
+
+# lm-eval 0.4.13's `gsm8k` task (lm_eval/tasks/gsm8k/gsm8k.yaml): its two filters and its exact_match
+# settings, written out here because lm-eval is an optional extra; tests/test_eval_scoring.py checks
+# them against lm-eval's own filters and metric, so published lm-eval numbers can be compared.
+_LM_EVAL_FILTERS = {
+    "strict-match": (re.compile(r"#### (\-?[0-9\.\,]+)"), 0),  # first match
+    "flexible-extract": (re.compile(r"(-?[$0-9.,]{2,})|(-?[0-9]+)"), -1),  # last match
+}
+_LM_EVAL_IGNORE = (",", r"\$", r"(?s).*#### ", r"\.$")  # removed from both sides, in this order
+LM_EVAL_FALLBACK = "[invalid]"
+
+
+def lm_eval_gsm8k_answer(text: str, filter_name: str) -> str:
+    """What lm-eval's gsm8k `strict-match` or `flexible-extract` filter extracts ("[invalid]" if nothing)."""
+    pattern, group_select = _LM_EVAL_FILTERS[filter_name]
+    matches = pattern.findall(text)
+    if not matches:
+        return LM_EVAL_FALLBACK
+    match = matches[group_select]
+    if isinstance(match, tuple):  # several groups: the first non-empty one
+        match = next((group for group in match if group), LM_EVAL_FALLBACK)
+    return match.strip()
+
+
+def lm_eval_gsm8k_match(text: str, reference: str, filter_name: str) -> bool:
+    """lm-eval's gsm8k exact_match for one completion under one filter, against the full gold solution."""
+    prediction = lm_eval_gsm8k_answer(text, filter_name)
+    for pattern in _LM_EVAL_IGNORE:
+        prediction, reference = re.sub(pattern, "", prediction), re.sub(pattern, "", reference)
+    return prediction.lower() == reference.lower()
 
 
 def gsm8k_reference(answer: str) -> str | None:

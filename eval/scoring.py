@@ -1,7 +1,9 @@
 """Scorers shared by the tasks and the `evaluate` metric modules: one definition of each metric.
 
-- GSM8K-style numeric match: `correct` compares the last number of the completion (flexible match),
-  `strict` the number in the `#### N` / "The answer is N" format; both against the `####` gold.
+- GSM8K-style numeric match against the `####` gold: `correct` compares the answer the completion
+  states (`#### N`, "The answer is N", `\\boxed{N}`), else its last number; `strict` only the
+  `#### N` / "The answer is N" format; `lm_eval_strict` / `lm_eval_flexible` reproduce lm-eval's gsm8k
+  filters and exact match, labelled apart, so numbers compare with published lm-eval ones.
 - MATH: symbolic equivalence with math-verify (Kydlicek et al., Hugging Face) of the extracted answer.
 - Code: the unbiased pass@k estimator of Chen et al. 2021 ("Evaluating Large Language Models Trained on
   Code", section 2.1), in its numerically stable product form.
@@ -19,8 +21,10 @@ from collections.abc import Iterable, Sequence
 from dllm.eval.answers import (
     extract_last_number,
     extract_math_answer,
+    extract_stated_number,
     extract_strict_number,
     gsm8k_reference,
+    lm_eval_gsm8k_match,
     math_reference,
 )
 
@@ -32,6 +36,7 @@ __all__ = [
     "pass_at_k_by_problem",
     "score_gsm8k",
     "score_math",
+    "summarize_gsm8k",
 ]
 
 logger = logging.getLogger(__name__)
@@ -42,19 +47,40 @@ MATH_VERIFY_TIMEOUT_S = 5  # math-verify's own SIGALRM timeout, per parse and pe
 def score_gsm8k(completion: str, reference: str) -> dict:
     """Score a GSM8K-format completion against a gold solution (`... #### N`) or a bare gold number.
 
-    Returns `correct` (flexible: last number in the completion), `strict` (`#### N` or "The answer is
-    N"), both extracted answers and the normalised reference.
+    Returns `correct` (the answer the completion states, by `#### N`, "The answer is N" or `\\boxed{N}`,
+    else its last number), `strict` (only `#### N` or "The answer is N"), both extracted answers, the
+    normalised reference, and `lm_eval_strict` / `lm_eval_flexible`: lm-eval's gsm8k `strict-match`
+    and `flexible-extract` exact match, for comparison with published lm-eval numbers (its flexible
+    filter takes the last number even after a stated answer).
     """
     gold = gsm8k_reference(reference)
-    flexible = extract_last_number(completion)
+    stated = extract_stated_number(completion)
+    answer = stated if stated is not None else extract_last_number(completion)
     strict = extract_strict_number(completion)
     return {
-        "correct": gold is not None and flexible == gold,
+        "correct": gold is not None and answer == gold,
         "strict": gold is not None and strict == gold,
-        "answer": flexible,
+        "answer": answer,
         "strict_answer": strict,
         "reference": gold,
+        "lm_eval_strict": lm_eval_gsm8k_match(completion, reference, "strict-match"),
+        "lm_eval_flexible": lm_eval_gsm8k_match(completion, reference, "flexible-extract"),
     }
+
+
+def summarize_gsm8k(scores: Sequence[dict]) -> dict[str, float]:
+    """`accuracy` (stated answer, else last number), `strict_accuracy`, and lm-eval's two gsm8k metrics.
+
+    The lm-eval numbers are left out when some score lacks them (rows written before they existed).
+    """
+    summary = {
+        "accuracy": accuracy(s["correct"] for s in scores),
+        "strict_accuracy": accuracy(s["strict"] for s in scores),
+    }
+    for key, name in (("lm_eval_strict", "lm_eval_strict_match"), ("lm_eval_flexible", "lm_eval_flexible_extract")):
+        if scores and all(key in s for s in scores):
+            summary[name] = accuracy(s[key] for s in scores)
+    return summary
 
 
 def _math_verify_timeout() -> int | None:

@@ -264,7 +264,9 @@ EARLY_EXITS = {
     "redirect stdout": "import io, sys\nsys.stdout = io.StringIO()\nsys.exit(0)",
     "patch print": "import builtins, os\nbuiltins.print = lambda *a, **k: None\nos._exit(0)",
     "patch os.write": "import os\nos.write = lambda fd, data: len(data)\nraise SystemExit",
-    "exit from a thread": "import os, threading\nthreading.Thread(target=os._exit, args=(0,)).start()\nimport time\ntime.sleep(5)",
+    "exit from a thread": (
+        "import os, threading, time\nthreading.Thread(target=os._exit, args=(0,)).start()\ntime.sleep(5)"
+    ),
     "forged tokens on every fd": (
         "import os\n"
         "for fd in range(3, 256):\n"
