@@ -10,6 +10,7 @@ import re
 from decimal import Decimal, InvalidOperation
 
 __all__ = [
+    "count_boxes",
     "extract_boxed",
     "extract_code_block",
     "extract_final_answer_sentence",
@@ -23,6 +24,7 @@ __all__ = [
     "math_reference",
     "normalize_number",
     "truncate_at_stop",
+    "without_box_full_stops",
 ]
 
 # A number as people write it in word problems: optional sign and currency, thousands separators only
@@ -160,16 +162,46 @@ def _balanced_group(text: str, open_index: int) -> str | None:
     return None
 
 
+# A full stop a model puts inside the box (`\boxed{4.}`): punctuation, not part of the answer. Only
+# after a digit, letter or closing brace, so an ellipsis (`1, 2, \ldots` or `...`) is kept.
+_BOX_FULL_STOP_RE = re.compile(r"(?<=[\w}])\s*\.\s*$")
+
+
+def _boxes(text: str) -> list[tuple[int, int, str]]:
+    r"""Every complete `\boxed{...}` / `\fbox{...}` (balanced braces) or `\boxed 5`: (start, end, content)."""
+    boxes = []
+    for match in re.finditer(r"\\(?:boxed|fbox)\s*(\{|\s[^\s$]+)", text):
+        if match.group(1) != "{":
+            boxes.append((match.start(), match.end(), match.group(1).strip()))
+            continue
+        content = _balanced_group(text, match.start(1))
+        if content is not None:
+            end = match.start(1) + len(content) + 2
+            boxes.append((match.start(), end, _BOX_FULL_STOP_RE.sub("", content.strip())))
+    return boxes
+
+
+def count_boxes(text: str) -> int:
+    r"""How many complete `\boxed{}` / `\fbox{}` answers `text` holds."""
+    return len(_boxes(text))
+
+
+def without_box_full_stops(text: str) -> str:
+    r"""`text` with a full stop at the end of each box's content removed (`\boxed{4.}` -> `\boxed{4}`)."""
+    pieces, last = [], 0
+    for start, end, content in _boxes(text):
+        pieces += [text[last:start], f"\\boxed{{{content}}}"]
+        last = end
+    return "".join(pieces) + text[last:]
+
+
 def extract_boxed(text: str) -> str | None:
-    r"""Content of the last `\boxed{...}` or `\fbox{...}` (balanced braces); also `\boxed 5`."""
-    for match in reversed(list(re.finditer(r"\\(?:boxed|fbox)\s*(\{|\s[^\s$]+)", text))):
-        if match.group(1) == "{":
-            content = _balanced_group(text, match.start(1))
-            if content is not None:
-                return content.strip()
-        else:
-            return match.group(1).strip()
-    return None
+    r"""Content of the last `\boxed{...}` or `\fbox{...}` (balanced braces); also `\boxed 5`.
+
+    A full stop ending the content is dropped (`\boxed{4.}` -> "4"); a cut-off last box is skipped.
+    """
+    boxes = _boxes(text)
+    return boxes[-1][2] if boxes else None
 
 
 def extract_final_answer_sentence(text: str) -> str | None:

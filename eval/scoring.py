@@ -4,7 +4,8 @@
   states (`#### N`, "The answer is N", `\\boxed{N}`), else its last number; `strict` only the
   `#### N` / "The answer is N" format; `lm_eval_strict` / `lm_eval_flexible` reproduce lm-eval's gsm8k
   filters and exact match, labelled apart, so numbers compare with published lm-eval ones.
-- MATH: symbolic equivalence with math-verify (Kydlicek et al., Hugging Face) of the extracted answer.
+- MATH: symbolic equivalence with math-verify (Kydlicek et al., Hugging Face) of the extracted answer
+  (several boxes: of the answer math-verify reads from the whole completion).
 - Code: the unbiased pass@k estimator of Chen et al. 2021 ("Evaluating Large Language Models Trained on
   Code", section 2.1), in its numerically stable product form.
 """
@@ -19,6 +20,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
 from dllm.eval.answers import (
+    count_boxes,
     extract_last_number,
     extract_math_answer,
     extract_stated_number,
@@ -26,6 +28,7 @@ from dllm.eval.answers import (
     gsm8k_reference,
     lm_eval_gsm8k_match,
     math_reference,
+    without_box_full_stops,
 )
 
 __all__ = [
@@ -96,6 +99,21 @@ def _warn_no_timeout() -> None:
     logger.warning("math-verify called off the main thread: its SIGALRM timeout is disabled")
 
 
+def _math_parse(text: str) -> list:
+    """math-verify's parse of `text`: boxed answers first, then LaTeX and plain expressions."""
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
+
+    config = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
+    return parse(text, config, parsing_timeout=_math_verify_timeout())
+
+
+def _math_verified(gold: list, predicted: list) -> bool:
+    """math-verify's verdict, gold first (it is not symmetric); an empty parse is never equal."""
+    from math_verify import verify
+
+    return bool(gold and predicted and verify(gold, predicted, timeout_seconds=_math_verify_timeout()))
+
+
 def math_equal(prediction: str | None, reference: str) -> bool:
     r"""Whether two LaTeX answers are mathematically equivalent (`\frac{1}{2}` = `0.5` = `1/2`).
 
@@ -105,22 +123,27 @@ def math_equal(prediction: str | None, reference: str) -> bool:
     """
     if not prediction:
         return False
-    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
-
-    config = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
-    timeout = _math_verify_timeout()
-    gold = parse(f"\\boxed{{{reference}}}", config, parsing_timeout=timeout)
-    predicted = parse(f"\\boxed{{{prediction}}}", config, parsing_timeout=timeout)
-    if not gold or not predicted:
-        return False
-    return bool(verify(gold, predicted, timeout_seconds=timeout))
+    return _math_verified(_math_parse(f"\\boxed{{{reference}}}"), _math_parse(f"\\boxed{{{prediction}}}"))
 
 
 def score_math(completion: str, reference: str) -> dict:
-    r"""Score a MATH completion against a gold answer (or a full solution, whose last `\boxed{}` is used)."""
+    r"""Score a MATH completion against a gold answer (or a full solution, whose last `\boxed{}` is used).
+
+    One box (or none: a "The final answer is ..." sentence) is the answer. With several boxes,
+    math-verify reads the whole completion and decides which form the answer, as it and lm-eval's
+    MATH scorers do: boxes in one sentence are one answer (`$\boxed{1}$ and $\boxed{-2}$` is
+    {1, -2}), a later sentence's box replaces earlier ones. A full stop inside a box is dropped.
+    """
     gold = math_reference(reference)
-    answer = extract_math_answer(completion)
-    return {"correct": math_equal(answer, gold), "answer": answer, "reference": gold}
+    text = without_box_full_stops(completion)
+    if count_boxes(text) > 1:
+        predicted = _math_parse(text)
+        answer = predicted[-1] if predicted else extract_math_answer(text)
+        correct = _math_verified(_math_parse(f"\\boxed{{{gold}}}"), predicted)
+    else:
+        answer = extract_math_answer(text)
+        correct = math_equal(answer, gold)
+    return {"correct": correct, "answer": answer, "reference": gold}
 
 
 def accuracy(flags: Iterable[bool]) -> float:

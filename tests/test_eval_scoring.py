@@ -211,3 +211,40 @@ def test_lm_eval_metrics_on_the_adversarial_completions():
     assert summary["lm_eval_strict_match"] == pytest.approx(sum(expected["strict-match"]) / len(scores))
     old_rows = [{"correct": True, "strict": False}]  # rows scored before the lm-eval metrics existed
     assert summarize_gsm8k(old_rows) == {"accuracy": 1.0, "strict_accuracy": 0.0}
+
+
+@pytest.mark.parametrize(
+    ("completion", "reference"),
+    [
+        (r"the integers are $\boxed{1}$ and $\boxed{-2}$", "1,-2"),
+        (r"So $x = \boxed{3}$ or $x = \boxed{5}$.", "3, 5"),
+        (r"The roots are $\boxed{\frac{1}{2}}$, $\boxed{-3}$.", r"-3, \frac12"),
+        (r"First $\boxed{1}$. Then, correcting the sign, $\boxed{2}$.", "2"),  # a later sentence's box
+    ],
+)
+def test_math_several_boxes_read_as_math_verify_reads_the_whole_completion(completion, reference):
+    from math_verify import parse, verify
+
+    assert verify(parse(f"${reference}$"), parse(completion))  # the independent reading: math-verify itself
+    assert score_math(completion, reference)["correct"]
+
+
+@pytest.mark.parametrize(
+    ("completion", "reference"),
+    [
+        (r"the integers are $\boxed{1}$ and $\boxed{-2}$", "1"),  # half an answer is wrong
+        (r"the integers are $\boxed{1}$ and $\boxed{-2}$", "-2"),
+        (r"First $\boxed{1}$. Then, correcting the sign, $\boxed{2}$.", "1"),
+        (r"$\boxed{1}$ and $\boxed{2}$", "1, 2, 3"),
+    ],
+)
+def test_math_several_boxes_wrong_answers_stay_wrong(completion, reference):
+    assert not score_math(completion, reference)["correct"]
+
+
+def test_math_full_stop_inside_the_box():
+    assert score_math(r"so the answer is $\boxed{4.}$", "4") == {"correct": True, "answer": "4", "reference": "4"}
+    assert score_math(r"$\boxed{\frac{1}{2}.}$", "0.5")["correct"]
+    assert score_math(r"$\boxed{3.}$ and $\boxed{4.}$", "3, 4")["correct"]
+    assert not score_math(r"so $\boxed{4.}$", "5")["correct"]
+    assert score_math(r"$\boxed{4.5}$", "4.5")["correct"] and not score_math(r"$\boxed{4.5}$", "4")["correct"]
