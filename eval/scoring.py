@@ -27,7 +27,6 @@ from dllm.eval.answers import (
     extract_strict_number,
     gsm8k_reference,
     lm_eval_gsm8k_match,
-    math_reference,
     without_box_full_stops,
 )
 
@@ -132,18 +131,26 @@ def score_math(completion: str, reference: str) -> dict:
     One box (or none: a "The final answer is ..." sentence) is the answer. With several boxes,
     math-verify reads the whole completion and decides which form the answer, as it and lm-eval's
     MATH scorers do: boxes in one sentence are one answer (`$\boxed{1}$ and $\boxed{-2}$` is
-    {1, -2}), a later sentence's box replaces earlier ones. A full stop inside a box is dropped.
+    {1, -2}), a later sentence's box replaces earlier ones. A full stop inside a box is dropped. A
+    full solution given as the reference is read by the same rule (as lm-eval's minerva_math reads
+    its gold with math-verify), so a solution that boxes several answers has all of them as gold.
     """
-    gold = math_reference(reference)
-    text = without_box_full_stops(completion)
-    if count_boxes(text) > 1:
-        predicted = _math_parse(text)
-        answer = predicted[-1] if predicted else extract_math_answer(text)
-        correct = _math_verified(_math_parse(f"\\boxed{{{gold}}}"), predicted)
-    else:
-        answer = extract_math_answer(text)
-        correct = math_equal(answer, gold)
+    gold, gold_parsed = _math_read(reference)
+    if gold is None:  # a reference without a box is the answer itself
+        gold, gold_parsed = reference.strip(), _math_parse(f"\\boxed{{{reference.strip()}}}")
+    answer, predicted = _math_read(completion)
+    correct = _math_verified(gold_parsed, predicted) if answer else False
     return {"correct": correct, "answer": answer, "reference": gold}
+
+
+def _math_read(text: str) -> tuple[str | None, list]:
+    """The answer of a completion or solution and its math-verify parse (see `score_math`)."""
+    text = without_box_full_stops(text)
+    if count_boxes(text) > 1:
+        parsed = _math_parse(text)
+        return (parsed[-1] if parsed else extract_math_answer(text)), parsed
+    answer = extract_math_answer(text)
+    return answer, (_math_parse(f"\\boxed{{{answer}}}") if answer else [])
 
 
 def accuracy(flags: Iterable[bool]) -> float:

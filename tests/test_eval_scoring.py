@@ -248,3 +248,23 @@ def test_math_full_stop_inside_the_box():
     assert score_math(r"$\boxed{3.}$ and $\boxed{4.}$", "3, 4")["correct"]
     assert not score_math(r"so $\boxed{4.}$", "5")["correct"]
     assert score_math(r"$\boxed{4.5}$", "4.5")["correct"] and not score_math(r"$\boxed{4.5}$", "4")["correct"]
+
+
+def test_math_solution_that_boxes_several_answers_is_all_of_them():
+    """A full-MATH gold solution is read like a completion (lm-eval's minerva reads its gold with math-verify)."""
+    solution = r"Both check out. Therefore, the answers are $\boxed{-2}$ and $\boxed{1}$."
+    assert score_math(r"So $x = \boxed{1}$ or $x = \boxed{-2}$.", solution)["correct"]
+    assert not score_math(r"So $x = \boxed{1}$.", solution)["correct"]  # the last box alone is half the answer
+    assert score_math(r"So $x = \boxed{7}$.", r"Hence $\boxed{7.}$")["correct"]
+
+
+def test_math_task_reads_a_full_solution_gold_whole():
+    from dllm.eval import get_task
+
+    task = get_task("math", subset="full")
+    solution = r"Therefore, the answers are $\boxed{-2}$ and $\boxed{1}$."
+    problem = {"id": "math/414", "solution": solution, "reference": "1"}  # `reference`: its last box
+    assert task.score(problem, r"The solutions are $\boxed{-2}$ and $\boxed{1}$.")["correct"]
+    assert not task.score(problem, r"$\boxed{1}$")["correct"]
+    math500 = {"id": "m", "answer": "-2, 1", "solution": solution, "reference": "-2, 1"}
+    assert get_task("math").score(math500, r"$\boxed{1}$ and $\boxed{-2}$")["correct"]
