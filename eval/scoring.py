@@ -1,8 +1,11 @@
 """Scorers shared by the tasks and the `evaluate` metric modules: one definition of each metric.
 
-- GSM8K-style numeric match: `correct` compares the last number of the completion (flexible match),
-  `strict` the number in the `#### N` / "The answer is N" format; both against the `####` gold.
-- MATH: symbolic equivalence with math-verify (Kydlicek et al., Hugging Face) of the extracted answer.
+- GSM8K-style numeric match against the `####` gold: `correct` compares the answer the completion
+  states (`#### N`, "The answer is N", `\\boxed{N}`), else its last number; `strict` only the
+  `#### N` / "The answer is N" format; `lm_eval_strict` / `lm_eval_flexible` reproduce lm-eval's gsm8k
+  filters and exact match, labelled apart, so numbers compare with published lm-eval ones.
+- MATH: symbolic equivalence with math-verify (Kydlicek et al., Hugging Face) of the extracted answer
+  (several boxes: of the answer math-verify reads from the whole completion).
 - Code: the unbiased pass@k estimator of Chen et al. 2021 ("Evaluating Large Language Models Trained on
   Code", section 2.1), in its numerically stable product form.
 """
@@ -17,11 +20,14 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
 from dllm.eval.answers import (
+    count_boxes,
     extract_last_number,
     extract_math_answer,
+    extract_stated_number,
     extract_strict_number,
     gsm8k_reference,
-    math_reference,
+    lm_eval_gsm8k_match,
+    without_box_full_stops,
 )
 
 __all__ = [
@@ -32,6 +38,7 @@ __all__ = [
     "pass_at_k_by_problem",
     "score_gsm8k",
     "score_math",
+    "summarize_gsm8k",
 ]
 
 logger = logging.getLogger(__name__)
@@ -42,19 +49,40 @@ MATH_VERIFY_TIMEOUT_S = 5  # math-verify's own SIGALRM timeout, per parse and pe
 def score_gsm8k(completion: str, reference: str) -> dict:
     """Score a GSM8K-format completion against a gold solution (`... #### N`) or a bare gold number.
 
-    Returns `correct` (flexible: last number in the completion), `strict` (`#### N` or "The answer is
-    N"), both extracted answers and the normalised reference.
+    Returns `correct` (the answer the completion states, by `#### N`, "The answer is N" or `\\boxed{N}`,
+    else its last number), `strict` (only `#### N` or "The answer is N"), both extracted answers, the
+    normalised reference, and `lm_eval_strict` / `lm_eval_flexible`: lm-eval's gsm8k `strict-match`
+    and `flexible-extract` exact match, for comparison with published lm-eval numbers (its flexible
+    filter takes the last number even after a stated answer).
     """
     gold = gsm8k_reference(reference)
-    flexible = extract_last_number(completion)
+    stated = extract_stated_number(completion)
+    answer = stated if stated is not None else extract_last_number(completion)
     strict = extract_strict_number(completion)
     return {
-        "correct": gold is not None and flexible == gold,
+        "correct": gold is not None and answer == gold,
         "strict": gold is not None and strict == gold,
-        "answer": flexible,
+        "answer": answer,
         "strict_answer": strict,
         "reference": gold,
+        "lm_eval_strict": lm_eval_gsm8k_match(completion, reference, "strict-match"),
+        "lm_eval_flexible": lm_eval_gsm8k_match(completion, reference, "flexible-extract"),
     }
+
+
+def summarize_gsm8k(scores: Sequence[dict]) -> dict[str, float]:
+    """`accuracy` (stated answer, else last number), `strict_accuracy`, and lm-eval's two gsm8k metrics.
+
+    The lm-eval numbers are left out when some score lacks them (rows written before they existed).
+    """
+    summary = {
+        "accuracy": accuracy(s["correct"] for s in scores),
+        "strict_accuracy": accuracy(s["strict"] for s in scores),
+    }
+    for key, name in (("lm_eval_strict", "lm_eval_strict_match"), ("lm_eval_flexible", "lm_eval_flexible_extract")):
+        if scores and all(key in s for s in scores):
+            summary[name] = accuracy(s[key] for s in scores)
+    return summary
 
 
 def _math_verify_timeout() -> int | None:
@@ -70,6 +98,21 @@ def _warn_no_timeout() -> None:
     logger.warning("math-verify called off the main thread: its SIGALRM timeout is disabled")
 
 
+def _math_parse(text: str) -> list:
+    """math-verify's parse of `text`: boxed answers first, then LaTeX and plain expressions."""
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
+
+    config = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
+    return parse(text, config, parsing_timeout=_math_verify_timeout())
+
+
+def _math_verified(gold: list, predicted: list) -> bool:
+    """math-verify's verdict, gold first (it is not symmetric); an empty parse is never equal."""
+    from math_verify import verify
+
+    return bool(gold and predicted and verify(gold, predicted, timeout_seconds=_math_verify_timeout()))
+
+
 def math_equal(prediction: str | None, reference: str) -> bool:
     r"""Whether two LaTeX answers are mathematically equivalent (`\frac{1}{2}` = `0.5` = `1/2`).
 
@@ -79,22 +122,35 @@ def math_equal(prediction: str | None, reference: str) -> bool:
     """
     if not prediction:
         return False
-    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
-
-    config = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
-    timeout = _math_verify_timeout()
-    gold = parse(f"\\boxed{{{reference}}}", config, parsing_timeout=timeout)
-    predicted = parse(f"\\boxed{{{prediction}}}", config, parsing_timeout=timeout)
-    if not gold or not predicted:
-        return False
-    return bool(verify(gold, predicted, timeout_seconds=timeout))
+    return _math_verified(_math_parse(f"\\boxed{{{reference}}}"), _math_parse(f"\\boxed{{{prediction}}}"))
 
 
 def score_math(completion: str, reference: str) -> dict:
-    r"""Score a MATH completion against a gold answer (or a full solution, whose last `\boxed{}` is used)."""
-    gold = math_reference(reference)
-    answer = extract_math_answer(completion)
-    return {"correct": math_equal(answer, gold), "answer": answer, "reference": gold}
+    r"""Score a MATH completion against a gold answer (or a full solution, whose last `\boxed{}` is used).
+
+    One box (or none: a "The final answer is ..." sentence) is the answer. With several boxes,
+    math-verify reads the whole completion and decides which form the answer, as it and lm-eval's
+    MATH scorers do: boxes in one sentence are one answer (`$\boxed{1}$ and $\boxed{-2}$` is
+    {1, -2}), a later sentence's box replaces earlier ones. A full stop inside a box is dropped. A
+    full solution given as the reference is read by the same rule (as lm-eval's minerva_math reads
+    its gold with math-verify), so a solution that boxes several answers has all of them as gold.
+    """
+    gold, gold_parsed = _math_read(reference)
+    if gold is None:  # a reference without a box is the answer itself
+        gold, gold_parsed = reference.strip(), _math_parse(f"\\boxed{{{reference.strip()}}}")
+    answer, predicted = _math_read(completion)
+    correct = _math_verified(gold_parsed, predicted) if answer else False
+    return {"correct": correct, "answer": answer, "reference": gold}
+
+
+def _math_read(text: str) -> tuple[str | None, list]:
+    """The answer of a completion or solution and its math-verify parse (see `score_math`)."""
+    text = without_box_full_stops(text)
+    if count_boxes(text) > 1:
+        parsed = _math_parse(text)
+        return (parsed[-1] if parsed else extract_math_answer(text)), parsed
+    answer = extract_math_answer(text)
+    return answer, (_math_parse(f"\\boxed{{{answer}}}") if answer else [])
 
 
 def accuracy(flags: Iterable[bool]) -> float:

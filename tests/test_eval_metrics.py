@@ -28,7 +28,13 @@ def test_gsm8k_accuracy_module():
         predictions=["So she pays $1,200.00.\n#### 1200", "I think it is 7 or 8", "#### 3\nso 4"],
         references=["... #### 1,200", "#### 8", "3"],
     )
-    assert result == {"accuracy": pytest.approx(2 / 3), "strict_accuracy": pytest.approx(2 / 3)}
+    # The third is right by its stated answer (3), wrong by lm-eval's last number (4).
+    assert result == {
+        "accuracy": 1.0,
+        "strict_accuracy": pytest.approx(2 / 3),
+        "lm_eval_strict_match": pytest.approx(2 / 3),
+        "lm_eval_flexible_extract": pytest.approx(2 / 3),
+    }
 
 
 def test_math_accuracy_module():

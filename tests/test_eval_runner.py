@@ -70,7 +70,8 @@ def test_gsm8k_end_to_end(tiny_model, tmp_path, monkeypatch, capsys):
         assert {"completion", "answer", "correct", "strict", "new_tokens", "batch"} <= set(row)
         assert 1 <= row["new_tokens"] <= 4 and row["batch"]["rows"] == 3
     summary = json.loads((out / "summary.json").read_text())
-    assert set(summary["metrics"]) == {"accuracy", "strict_accuracy"}
+    lm_eval_metrics = {"lm_eval_strict_match", "lm_eval_flexible_extract"}
+    assert set(summary["metrics"]) == {"accuracy", "strict_accuracy"} | lm_eval_metrics
     assert summary["counts"] == {"samples": 6, "problems": 6, "correct": sum(r["correct"] for r in rows),
                                  "batches": 2, "planned_samples": 6}
     # Speed is the sum over batches, each counted once although its stats sit on each of its rows.

@@ -95,7 +95,12 @@ def test_gsm8k_reference_solutions_all_score():
     task = get_task("gsm8k")
     problems = task.load()
     scores = task.score_many(problems, [p["answer"] for p in problems])
-    assert task.summarize(scores) == {"accuracy": 1.0, "strict_accuracy": 1.0}
+    assert task.summarize(scores) == {
+        "accuracy": 1.0,
+        "strict_accuracy": 1.0,
+        "lm_eval_strict_match": 1.0,
+        "lm_eval_flexible_extract": 1.0,
+    }
 
 
 def test_gsm8k_score_cuts_at_the_next_question():
@@ -162,7 +167,12 @@ def test_synthetic_task_from_a_data_file(tmp_path):
     assert task.prompt(problems[0]) == "Question: What is 12 + 30?\nAnswer:"
     scores = task.score_many(problems, [" 12 + 30 = 42.\n#### 42", " It is 999."])
     assert [s["correct"] for s in scores] == [True, True] and [s["strict"] for s in scores] == [True, False]
-    assert task.summarize(scores) == {"accuracy": 1.0, "strict_accuracy": 0.5}
+    assert task.summarize(scores) == {
+        "accuracy": 1.0,
+        "strict_accuracy": 0.5,
+        "lm_eval_strict_match": 0.5,
+        "lm_eval_flexible_extract": 1.0,
+    }
 
 
 def test_synthetic_missing_file_is_a_clear_error(tmp_path):
@@ -179,4 +189,9 @@ def test_packaged_synthetic_set_when_present():
     problems = task.load()
     assert problems and all(p["reference"] is not None for p in problems)
     scores = task.score_many(problems, [p["answer"] for p in problems])
-    assert task.summarize(scores) == {"accuracy": 1.0, "strict_accuracy": 1.0}
+    assert task.summarize(scores) == {
+        "accuracy": 1.0,
+        "strict_accuracy": 1.0,
+        "lm_eval_strict_match": 1.0,
+        "lm_eval_flexible_extract": 1.0,
+    }

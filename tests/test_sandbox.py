@@ -5,6 +5,7 @@ Isolation checks that need root and Linux namespaces are skipped with a reason e
 bomb runs only after the bounded fork test has shown the process limit in force.
 """
 
+import json
 import os
 import signal
 import socket
@@ -248,3 +249,95 @@ def test_run_many_empty():
 def test_signal_death_counts_as_failure():
     result = run_program("import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)")
     assert result.status == "failed" and result.returncode == 128 + signal.SIGSEGV
+
+
+EARLY_EXITS = {
+    "sys.exit": "import sys\nsys.exit(0)",
+    "sys.exit()": "import sys\nsys.exit()",
+    "os._exit": "import os\nos._exit(0)",
+    "exit": "exit()",
+    "quit": "quit(0)",
+    "raise SystemExit": "raise SystemExit",
+    "raise SystemExit(0)": "raise SystemExit(0)",
+    "SIGKILL self": "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)",
+    "close stdout": "import os, sys\nsys.stdout.close()\nos.close(1)\nos._exit(0)",
+    "redirect stdout": "import io, sys\nsys.stdout = io.StringIO()\nsys.exit(0)",
+    "patch print": "import builtins, os\nbuiltins.print = lambda *a, **k: None\nos._exit(0)",
+    "patch os.write": "import os\nos.write = lambda fd, data: len(data)\nraise SystemExit",
+    "exit from a thread": (
+        "import os, threading, time\nthreading.Thread(target=os._exit, args=(0,)).start()\ntime.sleep(5)"
+    ),
+    "forged tokens on every fd": (
+        "import os\n"
+        "for fd in range(3, 256):\n"
+        "    for fake in (b'0' * 32, os.urandom(16).hex().encode(), b'done\\n'):\n"
+        "        try:\n"
+        "            os.write(fd, fake)\n"
+        "        except OSError:\n"
+        "            pass\n"
+        "os._exit(0)"
+    ),
+    "read the token pipe itself": (  # it was closed before the program started: nothing to read
+        "import os\n"
+        "for fd in range(3, 256):\n"
+        "    try:\n"
+        "        data = os.read(fd, 64)\n"
+        "    except OSError:\n"
+        "        continue\n"
+        "    for out in range(3, 256):\n"
+        "        try:\n"
+        "            os.write(out, data)\n"
+        "        except OSError:\n"
+        "            pass\n"
+        "os._exit(0)"
+    ),
+}
+
+
+@pytest.mark.parametrize("exit_code", list(EARLY_EXITS.values()), ids=list(EARLY_EXITS))
+def test_program_that_ends_before_its_tests_fails(exit_code):
+    """A pass means the last line ran: every way of ending early with status 0 (or by a signal) fails."""
+    result = run_program(f"{exit_code}\nassert False, 'the tests'\n", timeout=5.0)
+    assert (result.passed, result.status) == (False, "failed")
+    assert result.returncode != 0
+
+
+@pytest.mark.parametrize("isolation", [Isolation(), Isolation(network=False, filesystem=False, pids=False)])
+def test_early_exit_fails_with_and_without_namespaces(isolation):
+    result = run_program("import sys\nsys.exit(0)\nassert False\n", isolation=isolation)
+    assert result.status == "failed" and "before its last line" in result.stderr
+    ran = run_program("import sys\nprint('tests ran')\n", isolation=isolation)
+    assert ran.passed and ran.returncode == 0
+
+
+def test_programs_that_run_to_their_end_still_pass():
+    """Closing stdout, patching print or exiting with status 0 from a finally after the end are fine."""
+    done = [
+        "import os, sys\nsys.stdout.close()\nos.close(1)\nx = 1\nassert x == 1\n",
+        "import builtins\nbuiltins.print = None\nassert True\n",
+        "import atexit, os\natexit.register(os._exit, 0)\nassert 2 + 2 == 4\n",
+        "import sys\ndef f():\n    return sys.argv\nassert f() == [__file__] and __name__ == '__main__'\n",
+    ]
+    assert [r.status for r in run_many(done, max_workers=2)] == ["passed"] * len(done)
+
+
+def test_the_completion_token_is_not_visible_to_the_program():
+    """Nothing the program can name holds the token: no global, no argument, no readable descriptor."""
+    probe = program(
+        """
+        import json, os, sys
+        readable = []
+        for fd in range(3, 64):
+            try:
+                os.set_blocking(fd, False)
+                readable.append(os.read(fd, 64).decode())
+            except OSError:
+                pass
+        names = sorted(n for n in globals() if not n.startswith('__'))
+        print(json.dumps([names, sys.argv, readable]))
+        """
+    )
+    result = run_program(probe)
+    assert result.passed, result.stderr
+    names, argv, readable = json.loads(result.stdout)
+    assert names == ["fd", "json", "os", "readable", "sys"] and argv == ["main.py"] and readable == []

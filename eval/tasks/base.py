@@ -76,7 +76,11 @@ class Task:
 
 
 class CodeTask(Task):
-    """A task scored by running the completion against the problem's tests in the sandbox."""
+    """A task scored by running the completion against the problem's tests in the sandbox.
+
+    A completion passes only when the whole test program ran to its last line (the sandbox's
+    completion token), so one that exits, or kills its interpreter, before the tests fails.
+    """
 
     metric = "code_pass_at_k"
 

@@ -6,8 +6,10 @@ fixed indices chosen by `random.Random(fewshot_seed)`, so every run and every mo
 prompt. The train solutions' calculator annotations (`<<48/2=24>>`) are removed: they are an artefact
 of the dataset's tooling, not text a model should imitate. Chat prompts are zero-shot.
 
-Scoring (`dllm.eval.scoring.score_gsm8k`): `correct` is the flexible match (the last number of the
-completion), `strict` the `#### N` / "The answer is N" format; numbers are normalised first.
+Scoring (`dllm.eval.scoring.score_gsm8k`): `correct` reads the answer the completion states
+(`#### N`, "The answer is N", `\\boxed{N}`), else its last number; `strict` only the `#### N` / "The
+answer is N" format; numbers are normalised first. lm-eval's own `strict-match` / `flexible-extract`
+numbers are reported beside them (`lm_eval_strict_match`, `lm_eval_flexible_extract`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from functools import cached_property
 from dllm.data.synthetic import format_example
 from dllm.eval.answers import gsm8k_reference
 from dllm.eval.data import HubSource, load_records
-from dllm.eval.scoring import accuracy, score_gsm8k
+from dllm.eval.scoring import score_gsm8k, summarize_gsm8k
 from dllm.eval.tasks.base import Message, Task, user_message
 
 __all__ = ["GSM8K", "format_qa_prompt", "qa_problems", "strip_calculator_annotations"]
@@ -106,8 +108,5 @@ class GSM8K(Task):
         return score_gsm8k(completion, problem["answer"])
 
     def summarize(self, scores) -> dict[str, float]:
-        """Flexible accuracy (`accuracy`) and strict-format accuracy (`strict_accuracy`)."""
-        return {
-            "accuracy": accuracy(s["correct"] for s in scores),
-            "strict_accuracy": accuracy(s["strict"] for s in scores),
-        }
+        """Accuracy, strict-format accuracy and lm-eval's two gsm8k metrics (`summarize_gsm8k`)."""
+        return summarize_gsm8k(scores)

@@ -6,8 +6,8 @@ test set, whose records have no `answer`: the reference is the last `\boxed{}` o
 Prompts are zero-shot and ask for a boxed answer. Problem ids are MATH-500's `unique_id`, else
 `math/<idx>` (the local file's `idx`; from the hub, whose per-subject configs come in another order,
 the position in the concatenation). Scoring (`dllm.eval.scoring.score_math`) takes the
-last `\boxed{}`/`\fbox{}` (or a "The final answer is ..." sentence) and checks equivalence with
-math-verify.
+`\boxed{}`/`\fbox{}` (or a "The final answer is ..." sentence; with several boxes, the answer
+math-verify reads from the whole completion) and checks equivalence with math-verify.
 """
 
 from __future__ import annotations
@@ -68,4 +68,7 @@ class MATH(Task):
         return user_message(f"{problem['problem'].strip()}\n\n{INSTRUCTION}")
 
     def _score(self, problem: dict, completion: str) -> dict:
-        return score_math(completion, problem["reference"])
+        # Without an `answer` field the gold is the solution, read as a completion is: a solution that
+        # boxes several answers ("$\boxed{-2}$ and $\boxed{1}$") has all of them, not its last box.
+        gold = problem["reference"] if problem.get("answer") else problem.get("solution") or problem["reference"]
+        return score_math(completion, gold)

@@ -3,13 +3,15 @@
 import datasets
 import evaluate
 
-from dllm.eval.scoring import accuracy, score_gsm8k
+from dllm.eval.scoring import score_gsm8k, summarize_gsm8k
 
 _DESCRIPTION = """
-Accuracy of GSM8K-style completions. `accuracy` counts a completion correct when its last number
-equals the gold number; `strict_accuracy` when the number after `####` (or "The answer is") does.
-Numbers are normalised first (thousands separators, `$`, trailing zeros). Same scoring as dllm's
-gsm8k and synthetic tasks (`dllm.eval.scoring.score_gsm8k`).
+Accuracy of GSM8K-style completions. `accuracy` counts a completion correct when the answer it
+states (`#### N`, "The answer is N", `\\boxed{N}`), else its last number, equals the gold number;
+`strict_accuracy` when the number after `####` (or "The answer is") does. Numbers are normalised
+first (thousands separators, `$`, trailing zeros). `lm_eval_strict_match` / `lm_eval_flexible_extract`
+are lm-eval's gsm8k metrics. Same scoring as dllm's gsm8k and synthetic tasks
+(`dllm.eval.scoring.score_gsm8k`).
 """
 
 _KWARGS_DESCRIPTION = """
@@ -19,10 +21,11 @@ Args:
 Returns:
     accuracy: flexible-match accuracy in [0, 1].
     strict_accuracy: strict-format accuracy in [0, 1].
+    lm_eval_strict_match, lm_eval_flexible_extract: lm-eval's gsm8k exact match under each filter.
 Examples:
     >>> metric = evaluate.load(path)
     >>> metric.compute(predictions=["So she pays $1,200.00.\\n#### 1200"], references=["... #### 1200"])
-    {'accuracy': 1.0, 'strict_accuracy': 1.0}
+    {'accuracy': 1.0, 'strict_accuracy': 1.0, 'lm_eval_strict_match': 1.0, 'lm_eval_flexible_extract': 1.0}
 """
 
 _CITATION = """
@@ -51,7 +54,4 @@ class Gsm8kAccuracy(evaluate.Metric):
 
     def _compute(self, predictions, references):
         scores = [score_gsm8k(p, r) for p, r in zip(predictions, references)]
-        return {
-            "accuracy": accuracy(s["correct"] for s in scores),
-            "strict_accuracy": accuracy(s["strict"] for s in scores),
-        }
+        return summarize_gsm8k(scores)
