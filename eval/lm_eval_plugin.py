@@ -101,7 +101,7 @@ class DllmLM(TemplateLM):
         self.mc_samples = _int("mc_samples", mc_samples, 1)
         self.mc_batch_size = _int("mc_batch_size", mc_batch_size, 1)
         self.max_batch_size = 64 if max_batch_size is None else _int("max_batch_size", max_batch_size, 1)
-        self._batch_size = batch_size if batch_size == "auto" else _int("batch_size", batch_size, 1)
+        self._batch_size = _batch_size(batch_size)
         self._max_length = None if max_length is None else _int("max_length", max_length, 2)
         self.custom_prefix_token_id = None if prefix_token_id is None else _int("prefix_token_id", prefix_token_id, 0)
         self.add_bos_token = _flag("add_bos_token", add_bos_token, optional=True)
@@ -394,6 +394,17 @@ class DllmLM(TemplateLM):
 def _int(name: str, value: Any, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"model_args {name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def _batch_size(value: Any) -> int | str:
+    """An int, its digits (lm-eval's --batch_size is a string), "auto", or "auto:N" (here the same as "auto")."""
+    if isinstance(value, str) and (value == "auto" or value.startswith("auto:")):
+        return "auto"
+    if isinstance(value, str) and value.isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"model_args batch_size must be an int >= 1, \"auto\" or \"auto:N\", got {value!r}")
     return value
 
 

@@ -6,6 +6,7 @@ within 1e-4, equal is_greedy and rolling (perplexity) scores within 1e-4, for a 
 (whose text starts with BOS), and with requests longer than the context.
 """
 
+import json
 from pathlib import Path
 
 import pytest
@@ -122,3 +123,54 @@ def test_ar_spec_greedy_gives_ar_text(llama, batch_size):
     spec = DllmLM(pretrained=str(path), sampler="ar_spec", num_draft_tokens=3, batch_size=batch_size,
                   max_length=MAX_LENGTH)
     assert spec.generate_until(requests) == ar.generate_until(requests)
+
+
+def _tasks(folder: Path) -> Path:
+    """generate_until, multiple_choice and loglikelihood_rolling tasks over a local JSONL (lm-eval's json loader)."""
+    rows = [{"question": "the cat sat on the", "choices": ["mat", "dog ran"], "label": 0, "answer": "mat"},
+            {"question": LONG, "choices": ["red", "cat sat"], "label": 1, "answer": "cat"}]
+    data = folder / "data.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    common = f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
+    (folder / "gen.yaml").write_text(
+        f"task: parity_gen\n{common}output_type: generate_until\n" + 'doc_to_text: "{{question}}"\n'
+        'doc_to_target: "{{answer}}"\ngeneration_kwargs:\n  until: ["blue"]\n  max_gen_toks: 5\n  do_sample: false\n'
+        "metric_list:\n  - metric: exact_match\n")
+    (folder / "mc.yaml").write_text(
+        f"task: parity_mc\n{common}output_type: multiple_choice\n" + 'doc_to_text: "{{question}}"\n'
+        'doc_to_choice: "{{choices}}"\ndoc_to_target: "{{label}}"\nmetric_list:\n  - metric: acc\n')
+    (folder / "ppl.yaml").write_text(
+        f"task: parity_ppl\n{common}output_type: loglikelihood_rolling\n" + 'doc_to_text: ""\n'
+        'doc_to_target: "{{question}}"\nmetric_list:\n  - metric: word_perplexity\n')
+    return folder
+
+
+def test_simple_evaluate_side_by_side_with_chat_template(tmp_path, monkeypatch):
+    """lm-eval builds the requests itself (a chat template that writes BOS, a tokenizer that adds it, contexts
+    longer than max_length): every response equals the hf backend's."""
+    from lm_eval.tasks import TaskManager
+
+    for name, value in [("HF_DATASETS_OFFLINE", "1"), ("HF_HUB_OFFLINE", "1"),
+                        ("HF_DATASETS_CACHE", str(tmp_path / "cache"))]:
+        monkeypatch.setenv(name, value)
+    path = _bos_llama(tmp_path / "model", adds_bos=True)
+    tasks = TaskManager(include_path=str(_tasks(tmp_path)), include_defaults=False)
+    names = ["parity_gen", "parity_mc", "parity_ppl"]
+    samples = {}
+    for model, args in [("hf", "device=cpu"), ("dllm", "sampler=ar")]:
+        results = lm_eval.simple_evaluate(model=model, model_args=f"pretrained={path},max_length={MAX_LENGTH},{args}",
+                                          tasks=names, task_manager=tasks, log_samples=True, apply_chat_template=True,
+                                          batch_size=2)
+        samples[model] = {t: sorted(results["samples"][t], key=lambda s: s["doc_id"]) for t in names}
+    for task in names:
+        ours, theirs = samples["dllm"][task], samples["hf"][task]
+        assert [s["arguments"] for s in ours] == [s["arguments"] for s in theirs]
+        if task != "parity_ppl":  # (lm-eval applies no chat template to perplexity documents)
+            assert all(s["arguments"][0][0].startswith("<bos><|start|>user") for s in ours)
+        for mine, hers in zip(ours, theirs):
+            if task == "parity_gen":
+                assert mine["resps"] == hers["resps"]
+            elif task == "parity_mc":
+                _assert_same_loglikelihoods([r[0] for r in hers["resps"]], [r[0] for r in mine["resps"]])
+            else:
+                assert mine["resps"][0][0] == pytest.approx(hers["resps"][0][0], abs=1e-4)

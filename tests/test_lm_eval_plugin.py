@@ -194,8 +194,8 @@ def test_batch_size_from_model_args_or_command_line(causal_path):
     cli = {"batch_size": 1, "max_batch_size": None, "device": None}
     lm = DllmLM.create_from_arg_string(f"pretrained={causal_path},sampler=ar,batch_size=3", cli)
     assert lm.batch_size == 3
-    lm = DllmLM.create_from_arg_string(f"pretrained={causal_path},sampler=ar", {**cli, "batch_size": 2})
-    assert lm.batch_size == 2
+    lm = DllmLM.create_from_arg_string(f"pretrained={causal_path},sampler=ar", {**cli, "batch_size": "2"})
+    assert lm.batch_size == 2  # the command line's value is a string
     with pytest.raises(ValueError, match="batch_size must be an int >= 1"):
         DllmLM.create_from_arg_string(f"pretrained={causal_path},sampler=ar,batch_size=big", cli)
 
