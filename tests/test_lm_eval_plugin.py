@@ -271,8 +271,10 @@ def test_command_line_offline(diffusion_path, tmp_path):
     env = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp_path / "cache")}
     result = subprocess.run(
         [sys.executable, "-m", "dllm.eval.lm_eval_plugin", "run", "--model", "dllm", "--model_args",
-         f"pretrained={diffusion_path},sampler=llada,block_length=2", "--tasks", "dllm_tiny_gen",
+         f"pretrained={diffusion_path},sampler=llada,block_length=2,mc_samples=2", "--tasks",
+         "dllm_tiny_gen,dllm_tiny_ppl", "--batch_size", "2",  # a string on lm-eval's command line
          "--include_path", str(tasks), "--output_path", str(tmp_path / "out")],
         cwd=REPO, env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "dllm_tiny_gen" in result.stdout and "exact_match" in result.stdout
+    assert "word_perplexity" in result.stdout and "standard error" in result.stderr
