@@ -16,11 +16,12 @@ batches, and the same stop rule (the checkpoint's generation_config EOS, then th
 
 model_args (checked when the model is built; an unknown key is refused naming the allowed ones):
 `pretrained` (default: the shipped model for the sampler's kind), `kind`, `dtype`, `device` (default: CUDA
-when available, else the CPU), `revision`, `trust_remote_code`, `sampler`, `temperature` (used when a
-request sets none), `max_gen_toks`, `seed`, `batch_size` (an int or "auto"; given in model_args it wins
-over `--batch_size`), `max_batch_size` (the ceiling of "auto"), `add_bos_token`, `prefix_token_id`,
-`max_length`, and for diffusion models `mc_samples`, `mc_batch_size`, `check_greedy` (below); every
-other key must be an option of the chosen sampler (`window=4`, `drafter=PATH` for ar_spec).
+when available, else the CPU), `revision`, `trust_remote_code`, `sampler` (default: ar for a causal
+model, fef for a diffusion one), `temperature` (used when a request sets none), `max_gen_toks`, `seed`,
+`batch_size` (an int or "auto"; given in model_args it wins over `--batch_size`), `max_batch_size` (the
+ceiling of "auto"), `add_bos_token`, `prefix_token_id`, `max_length`, and for diffusion models
+`mc_samples`, `mc_batch_size`, `check_greedy` (below); every other key must be an option of the chosen
+sampler (`window=4`, `drafter=PATH` for ar_spec).
 
 Requests:
 - `generate_until`: `until` stop strings (plus the EOS text) and `max_gen_toks` from the request's
@@ -42,9 +43,11 @@ Requests:
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -83,18 +86,13 @@ class DllmLM(TemplateLM):
 
     def __init__(self, pretrained: str | None = None, kind: str = "auto", dtype: str | None = None,
                  device: str | None = None, revision: str | None = None, trust_remote_code: bool | None = None,
-                 sampler: str = "fef", temperature: float = 0.0, max_gen_toks: int = 256, seed: int = 0,
+                 sampler: str | None = None, temperature: float = 0.0, max_gen_toks: int = 256, seed: int = 0,
                  batch_size: int | str = 1, max_batch_size: int | None = 64, add_bos_token: bool | None = None,
                  prefix_token_id: int | None = None, max_length: int | None = None, mc_samples: int = 32,
                  mc_batch_size: int = 32, check_greedy: bool = True, **sampler_options: Any) -> None:
         super().__init__()
-        if sampler not in SAMPLERS:
-            raise ValueError(f"model_args sampler must be one of {sorted(SAMPLERS)}, got {sampler!r}")
-        spec = SAMPLERS[sampler]
-        unknown = sorted(set(sampler_options) - set(spec.options))
-        if unknown:
-            raise ValueError(f"unknown model_args key(s) {unknown}: allowed are {list(OWN_KEYS)} and the options "
-                             f"of sampler {sampler!r}: {sorted(spec.options)}")
+        if sampler is not None:
+            _check_keys(sampler, sampler_options)
         self.temperature = _number("temperature", temperature, 0.0)
         self.max_gen_toks = _int("max_gen_toks", max_gen_toks, 1)
         self.seed = _int("seed", seed, 0)
@@ -107,8 +105,20 @@ class DllmLM(TemplateLM):
         self.add_bos_token = _flag("add_bos_token", add_bos_token, optional=True)
         self.check_greedy = _flag("check_greedy", check_greedy)
         load_kw = {k: v for k, v in (("revision", revision), ("trust_remote_code", trust_remote_code)) if v is not None}
+        if _own_checkpoint(pretrained, kind):  # this project's folders run no remote code and have no revisions
+            load_kw = {}
         device = _pick_device(device)
-        self.model = dllm.load(pretrained or default_model(sampler), kind=kind, device=device, dtype=dtype, **load_kw)
+        self.model = dllm.load(pretrained or default_model(sampler or "fef"), kind=kind, device=device, dtype=dtype,
+                               **load_kw)
+        self.causal = is_causal_model(self.model)
+        if sampler is None:  # the model's plain sampler: lm-eval's numbers for causal models, fef for diffusion
+            sampler = "ar" if self.causal else "fef"
+            _check_keys(sampler, sampler_options)
+        spec = SAMPLERS[sampler]
+        if spec.model_kind != "any" and (spec.model_kind == "causal") != self.causal:
+            fitting = sorted(n for n, o in SAMPLERS.items() if o.model_kind in ("any", _kind(self.causal)))
+            raise ValueError(f"model_args sampler={sampler!r} needs a {spec.model_kind} model; {pretrained} is a "
+                             f"{_kind(self.causal)} model (its samplers: {fitting})")
         self.tokenizer = self.model.tokenizer
         if self.tokenizer is None:
             raise ValueError(f"model_args pretrained={pretrained} has no tokenizer; lm-eval passes text")
@@ -119,7 +129,6 @@ class DllmLM(TemplateLM):
         if isinstance(drafter, str) and drafter != "ngram":
             sampler_options["drafter"] = dllm.load(drafter, device=device, dtype=dtype)
         self.options = sampler_options
-        self.causal = is_causal_model(self.model)
         self._device = model_device(self.model)
         self._stops = self._generation_stops()
         budget = _round_up(self.max_gen_toks, self.options.get("block_length") or 1)
@@ -395,6 +404,30 @@ def _int(name: str, value: Any, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"model_args {name} must be an int >= {minimum}, got {value!r}")
     return value
+
+
+def _check_keys(sampler: Any, sampler_options: dict) -> None:
+    """The sampler exists, and every key that is not the backend's own is one of its options."""
+    if sampler not in SAMPLERS:
+        raise ValueError(f"model_args sampler must be one of {sorted(SAMPLERS)}, got {sampler!r}")
+    unknown = sorted(set(sampler_options) - set(SAMPLERS[sampler].options))
+    if unknown:
+        raise ValueError(f"unknown model_args key(s) {unknown}: allowed are {list(OWN_KEYS)} and the options "
+                         f"of sampler {sampler!r}: {sorted(SAMPLERS[sampler].options)}")
+
+
+def _own_checkpoint(pretrained: str | None, kind: str) -> bool:
+    """Whether `pretrained` is this project's TransformerLM folder (dllm.load takes no hub keywords for it)."""
+    from dllm.models.loading import detect_kind
+
+    config = Path(str(pretrained)) / "config.json"
+    if kind != "auto" or pretrained is None or not config.is_file():
+        return kind == "dllm" or pretrained is None
+    return detect_kind(json.loads(config.read_text())) == "dllm"
+
+
+def _kind(causal: bool) -> str:
+    return "causal" if causal else "diffusion"
 
 
 def _batch_size(value: Any) -> int | str:

@@ -185,8 +185,14 @@ def test_model_args_are_checked_before_loading(tmp_path):
 def test_sampler_option_values_are_checked_at_construction(diffusion_path, causal_path):
     with pytest.raises(ValueError, match="window must be >= 1"):
         DllmLM(pretrained=str(diffusion_path), sampler="fef", window=0)
-    lm = DllmLM(pretrained=str(causal_path), sampler="ar", trust_remote_code=True)  # lm-eval users pass it
-    assert lm.causal
+    with pytest.raises(ValueError, match=r"sampler='fef' needs a diffusion model.*'ar', 'ar_spec'"):
+        DllmLM(pretrained=str(causal_path), sampler="fef")
+    lm = DllmLM(pretrained=str(causal_path), trust_remote_code=True)  # lm-eval users pass it
+    assert lm.sampler == "ar"  # a causal model's default: lm-eval's own numbers
+    lm = DllmLM(pretrained=str(diffusion_path), trust_remote_code=True)  # also to this project's checkpoints
+    assert lm.sampler == "fef"
+    with pytest.raises(ValueError, match=r"unknown model_args key\(s\) \['window'\]"):
+        DllmLM(pretrained=str(causal_path), window=4)  # no sampler named: checked against ar's options
 
 
 def test_batch_size_from_model_args_or_command_line(causal_path):
@@ -201,7 +207,7 @@ def test_batch_size_from_model_args_or_command_line(causal_path):
 
 
 def test_auto_batch_size_is_the_largest_that_fits(causal_path, monkeypatch):
-    lm = DllmLM(pretrained=str(causal_path), sampler="ar", batch_size="auto", max_batch_size=6)
+    lm = DllmLM(pretrained=str(causal_path), sampler="ar", batch_size="auto", max_batch_size=5)
     requests = [_request("loglikelihood", "the cat", f" {w}") for w in ("sat", "ran on", "a big red")]
     one = DllmLM(pretrained=str(causal_path), sampler="ar").loglikelihood(requests)
     adapter = type(lm.model)
@@ -213,7 +219,7 @@ def test_auto_batch_size_is_the_largest_that_fits(causal_path, monkeypatch):
         return plain(self, input_ids, *args, **kw)
 
     monkeypatch.setattr(adapter, "__call__", small_memory)
-    assert 2 <= lm.batch_size <= 4  # accelerate shrinks 6 until it fits
+    assert 2 <= lm.batch_size <= 4  # accelerate shrinks 5 until it fits
     assert [r[0] for r in lm.loglikelihood(requests)] == pytest.approx([r[0] for r in one], abs=1e-5)
 
 
