@@ -244,16 +244,18 @@ class DllmLM(TemplateLM):
         kwargs = dict(normalize_gen_kwargs(gen_kwargs, self.max_gen_toks))
         until = handle_stop_sequences(kwargs.pop("until", None), self.tokenizer.decode([self.eot_token_id]))
         budget = int(kwargs.pop("max_gen_toks"))
-        kwargs.pop("do_sample"), kwargs.pop("temperature", None)
+        kwargs.pop("do_sample")
+        kwargs.pop("temperature", None)
         # A request that names no temperature gets model_args' (default 0: greedy, as HFLM); do_sample=False is greedy.
         temperature = float(gen_kwargs.get("temperature", self.temperature))
         temperature = 0.0 if gen_kwargs.get("do_sample") is False else temperature
         if kwargs:
             _warn_once(f"dllm ignores these gen_kwargs (samplers take their options from model_args): {sorted(kwargs)}")
         steps = _round_up(budget, self.options.get("block_length") or 1)
-        if self.max_length - budget < 1:
-            raise ValueError(f"max_gen_toks={budget} must be less than max_length={self.max_length}")
-        prompts = [self._encode_prompt(c)[-(self.max_length - budget):] for c in contexts]  # keep the end, as HFLM
+        if self.max_length - steps < 1:
+            raise ValueError(f"max_gen_toks={budget} (rounded up to {steps} for whole blocks) must be less than "
+                             f"max_length={self.max_length}")
+        prompts = [self._encode_prompt(c)[-(self.max_length - steps):] for c in contexts]  # keep the end, as HFLM
         input_ids, mask = left_pad(prompts, self._pad_id(), self._device)
         generator = torch.Generator(device=self._device).manual_seed(batch_seed(self.seed, contexts[0]))
         with torch.inference_mode():
@@ -279,8 +281,10 @@ class DllmLM(TemplateLM):
 
     # ---------------------------------------------------------------- likelihoods
 
-    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
-        """requests: (cache key or None, context ids, continuation ids) -> (log-likelihood, is_greedy) each."""
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, greedy: bool = True,
+                              **kwargs) -> list[tuple[float, bool]]:
+        """requests: (cache key or None, context ids, continuation ids) -> (log-likelihood, is_greedy) each;
+        greedy=False: is_greedy is not wanted (rolling windows), so diffusion models skip its decode."""
         if not requests:
             return []
         if self.causal:
@@ -288,14 +292,15 @@ class DllmLM(TemplateLM):
         results, errors = [], []
         for key, context, continuation in tqdm(requests, disable=disable_tqdm, desc="dllm loglikelihood (ELBO)"):
             estimate, stderr = self._elbo(context, continuation)
-            result = (estimate, self.check_greedy and self._greedy_reproduces(context, continuation))
+            check = greedy and self.check_greedy
+            result = (estimate, check and self._greedy_reproduces(context, continuation))
             errors.append(stderr)
             if key is not None:
                 self.cache_hook.add_partial("loglikelihood", key, result)
             results.append(result)
         self.elbo_stderr.extend(errors)
         logger.info("dllm ELBO over %d requests (mc_samples=%d, seed=%d): standard error median %.4f, max %.4f nats",
-                    len(errors), self.mc_samples, self.seed, _median(errors), max(errors))
+                    len(errors), self.mc_samples, self.seed, *_median_and_max(errors))
         return results
 
     @torch.inference_mode()
@@ -339,7 +344,10 @@ class DllmLM(TemplateLM):
         n, mask_id = len(continuation), self.model.mask_token_id
         size = self._block_size() or n
         padded = _round_up(n, size)
-        context = context[-max(1, self.max_length - padded):]  # keep the end, as for causal models
+        if padded >= self.max_length:
+            raise ValueError(f"a continuation of {n} tokens ({padded} with its block padding) leaves no room for "
+                             f"context in max_length={self.max_length}")
+        context = context[-(self.max_length - padded):]  # keep the end, as for causal models
         start, blocks = len(context), padded // size
         generator = torch.Generator(device=self._device).manual_seed(batch_seed(self.seed, str(context + continuation)))
         clean = torch.tensor(context + continuation + [mask_id] * (padded - n), device=self._device)  # [start + padded]
@@ -350,8 +358,9 @@ class DllmLM(TemplateLM):
             sample, block = chunk[:, 0], chunk[:, 1]  # [R] each
             real = (block[:, None] * size + offsets) < n  # [R, size]: continuation tokens (not block padding)
             length = real.sum(1)
-            count = (torch.rand(len(chunk), generator=generator, device=self._device) * length).long() + 1  # U{1..len}
-            scores = torch.rand(len(chunk), size, generator=generator, device=self._device).masked_fill(~real, 2.0)
+            noise = torch.rand(len(chunk), size + 1, generator=generator, device=self._device, dtype=torch.float64)
+            count = (noise[:, 0] * length).long() + 1  # [R]: l ~ U{1..length}
+            scores = noise[:, 1:].masked_fill(~real, 2.0)  # [R, size]: the l lowest real positions are masked
             masked = (scores.argsort(1).argsort(1) < count[:, None]) & real  # [R, size]: `count` real positions
             positions = start + block[:, None] * size + offsets  # [R, size]
             later = index >= start + (block[:, None] + 1) * size  # [R, T]: blocks after this one, all masked
@@ -391,7 +400,7 @@ class DllmLM(TemplateLM):
                 token_list=self.tok_encode(text), prefix_token=self.prefix_token_id, max_seq_len=room, context_len=1)))
             windows.extend((None, c, t) for c, t in rolling)
             counts.append(len(rolling))
-        scores = [s for s, _ in self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm)]
+        scores = [s for s, _ in self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm, greedy=False)]
         totals, first = [], 0
         for request, count in zip(requests, counts):
             totals.append(sum(scores[first:first + count]))
@@ -462,9 +471,9 @@ def _warn_once(message: str) -> None:
         logger.warning(message)
 
 
-def _median(values: list[float]) -> float:
-    finite = sorted(v for v in values if not math.isnan(v))
-    return finite[len(finite) // 2] if finite else math.nan
+def _median_and_max(values: list[float]) -> tuple[float, float]:
+    finite = sorted(v for v in values if not math.isnan(v))  # nan: one sample has no standard error
+    return (finite[len(finite) // 2], finite[-1]) if finite else (math.nan, math.nan)
 
 
 def _pick_device(device: str | None) -> str:
