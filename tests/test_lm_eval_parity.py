@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 lm_eval = pytest.importorskip("lm_eval")
 
@@ -70,6 +71,20 @@ def _chat(lm, text: str) -> str:
     return lm.apply_chat_template([{"role": "user", "content": text}])
 
 
+def _greedy_pair(lm, prefix: str) -> tuple[str, str]:
+    """prefix + two words whose argmax next token is a word (the random model often prefers ids past the
+    tokenizer's), and that word."""
+    words = {lm.tokenizer.convert_tokens_to_ids(w): w for w in builders.WORDS}
+    for first in builders.WORDS:
+        for second in builders.WORDS:
+            context = f"{prefix}{first} {second}"
+            with torch.inference_mode():
+                best = int(lm.model(torch.tensor([lm.tok_encode(context)]))[0, -1].argmax())
+            if best in words:
+                return context, " " + words[best]
+    raise AssertionError("no context of two words has a word as its argmax")
+
+
 def _assert_same_loglikelihoods(theirs, ours) -> None:
     assert len(theirs) == len(ours)
     for (want, want_greedy), (got, got_greedy) in zip(theirs, ours):
@@ -95,9 +110,12 @@ def test_same_numbers_as_lm_eval_hf(llama, chat, batch_size):
     assert texts == hf.generate_until(gen)
     assert any(texts)  # the tiny model says something, so equal text is not two empty strings
 
-    pairs = [(wrap(c) if c else c, t) for c, t in LOGLIKELIHOOD]
+    greedy = _greedy_pair(ours, wrap("the cat") if chat else "")  # is_greedy True for it
+    pairs = [(wrap(c) if c else c, t) for c, t in LOGLIKELIHOOD] + [greedy]
     ll = _requests("loglikelihood", pairs)
-    _assert_same_loglikelihoods(hf.loglikelihood(ll), ours.loglikelihood(ll))
+    theirs = hf.loglikelihood(ll)
+    _assert_same_loglikelihoods(theirs, ours.loglikelihood(ll))
+    assert theirs[-1][1] and not all(g for _, g in theirs)  # both values of is_greedy are compared
 
     rolling = _requests("loglikelihood_rolling", [(wrap(t),) for t in ROLLING])
     assert ours.loglikelihood_rolling(rolling) == pytest.approx(hf.loglikelihood_rolling(rolling), abs=1e-4)
