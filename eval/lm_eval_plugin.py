@@ -184,7 +184,8 @@ class DllmLM(TemplateLM):
         return self._auto_batch_size
 
     def _detect_batch_size(self) -> int:
-        """Halve-and-retry on out-of-memory (accelerate's helper, as HFLM uses), probing one full-length call."""
+        """Shrink-and-retry on out-of-memory from max_batch_size (accelerate's helper, as HFLM uses), probing one
+        max_length call per size."""
         from accelerate.utils import find_executable_batch_size
 
         @find_executable_batch_size(starting_batch_size=self.max_batch_size)
