@@ -1,6 +1,8 @@
 """The `dllm` model for lm-evaluation-harness: requests by hand, then a tiny local task end to end offline."""
 
 import json
+import logging
+import math
 import os
 import subprocess
 import sys
@@ -67,24 +69,168 @@ def test_causal_loglikelihood_is_exact(causal_path):
     assert isinstance(greedy, bool)
 
 
+def _block_model(folder: Path, block_size: int) -> Path:
+    """save_dllm's block-causal model with another block size (the weights do not depend on it)."""
+    builders.save_dllm(folder, layout="block_causal")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "block_size": block_size}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def unit_block_path(tmp_path_factory) -> Path:
+    return _block_model(tmp_path_factory.mktemp("unit") / "model", 1)
+
+
+@pytest.fixture(scope="module")
+def bidirectional_path(tmp_path_factory) -> Path:
+    return builders.save_dllm(tmp_path_factory.mktemp("bidir") / "model", layout="bidirectional")
+
+
+def _log_prob(model, ids: list[int], position: int, token: int, **kw) -> float:
+    with torch.inference_mode():
+        logits = model(torch.tensor([ids]), **kw)
+    return float(torch.log_softmax(logits[0, position].float(), dim=-1)[token])
+
+
 def test_diffusion_elbo_of_one_token_is_its_log_probability(diffusion_path):
-    """With one continuation token every Monte-Carlo sample masks exactly it: the ELBO is exact."""
+    """With one continuation token every Monte-Carlo sample masks exactly it: the ELBO is exact. Its block
+    (block_size 2) is filled with a mask past the continuation, as generation leaves it."""
     lm = DllmLM(pretrained=str(diffusion_path), sampler="fef", mc_samples=3)
-    context = lm.tok_encode("Tom has 3")
+    context, mask = lm.tok_encode("Tom has 3"), lm.model.mask_token_id
     token = lm.tok_encode(" apples")[0]
     (logprob, _), = lm._loglikelihood_tokens([(None, context, [token])])
-    ids = torch.tensor([context + [lm.model.mask_token_id]])
+    expected = _log_prob(lm.model, context + [mask, mask], len(context), token,
+                         block_offset=torch.tensor([len(context)]))
+    assert logprob == pytest.approx(expected, abs=1e-4)
+    assert lm.elbo_stderr[-1] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_block_causal_elbo_masks_block_by_block(unit_block_path):
+    """block_size 1: block i is token i alone, scored after the clean tokens before it, so the ELBO is the
+    exact left-to-right log-likelihood (one shared masking of the whole continuation would not be)."""
+    lm = DllmLM(pretrained=str(unit_block_path), sampler="sequential", mc_samples=4)
+    context, continuation = lm.tok_encode("Tom has"), lm.tok_encode(" 3 apples. Anna")
+    assert len(continuation) >= 3
+    mask, offset = lm.model.mask_token_id, torch.tensor([len(context)])
+    expected = sum(_log_prob(lm.model, context + continuation[:i] + [mask], len(context) + i, t, block_offset=offset)
+                   for i, t in enumerate(continuation))
+    (elbo, greedy), = lm._loglikelihood_tokens([(None, context, continuation)])
+    assert elbo == pytest.approx(expected, abs=1e-4)
+    assert lm.elbo_stderr[-1] == pytest.approx(0.0, abs=1e-5)
+    argmax = [_argmax(lm.model, context + continuation[:i] + [mask], offset) for i in range(len(continuation))]
+    assert greedy == (argmax == continuation)
+
+
+def _argmax(model, ids: list[int], offset) -> int:
     with torch.inference_mode():
-        logits = lm.model(ids, block_offset=torch.tensor([len(context)]))
-    assert logprob == pytest.approx(float(torch.log_softmax(logits[0, -1], dim=-1)[token]), abs=1e-4)
-    (elbo, _), = lm._loglikelihood_tokens([(None, context, lm.tok_encode(" apples and"))])
-    assert elbo < 0
+        return int(model(torch.tensor([ids]), block_offset=offset)[0, -1].argmax())
 
 
-def test_diffusion_rolling_loglikelihood_is_refused(diffusion_path):
-    lm = DllmLM(pretrained=str(diffusion_path), sampler="fef")
-    with pytest.raises(NotImplementedError, match="needs a causal model"):
-        lm.loglikelihood_rolling([_request("loglikelihood_rolling", "Tom has 3 apples.")])
+def test_diffusion_elbo_is_unbiased_and_reports_its_standard_error(bidirectional_path, caplog):
+    """The Monte-Carlo estimate lies within 4 of its reported standard errors of the exact ELBO, computed by
+    enumerating every masked subset of a 3-token continuation (fixed seed)."""
+    from itertools import combinations
+
+    lm = DllmLM(pretrained=str(bidirectional_path), sampler="fef", mc_samples=400, mc_batch_size=100, seed=1,
+                check_greedy=False)
+    context, continuation = lm.tok_encode("Tom has"), lm.tok_encode(" 3 apples.")[:3]
+    n, start, mask = len(continuation), len(context), lm.model.mask_token_id
+    exact = 0.0
+    for k in range(1, n + 1):  # l ~ U{1..n}, then a uniform subset of l positions, weighted n / l
+        subsets = list(combinations(range(n), k))
+        for subset in subsets:
+            noisy = context + [mask if j in subset else t for j, t in enumerate(continuation)]
+            with torch.inference_mode():
+                log_probs = torch.log_softmax(lm.model(torch.tensor([noisy]))[0].float(), dim=-1)
+            exact += sum(float(log_probs[start + j, continuation[j]]) for j in subset) / len(subsets) / k
+    with caplog.at_level(logging.INFO, logger="lm_eval.models.dllm"):
+        (estimate, greedy), = lm._loglikelihood_tokens([(None, context, continuation)])
+    stderr = lm.elbo_stderr[-1]
+    assert 0 < stderr < 1 and abs(estimate - exact) < 4 * stderr
+    assert greedy is False  # check_greedy=False reports False without decoding
+    assert "standard error" in caplog.text and "mc_samples=400" in caplog.text
+
+
+def test_diffusion_rolling_loglikelihood_is_the_elbo_of_each_window(unit_block_path):
+    """Exact for block_size 1 (see above): the text after the prefix token, token by token; a text longer
+    than max_length is split into lm-eval's windows, each within the model's positions."""
+    lm = DllmLM(pretrained=str(unit_block_path), sampler="sequential", mc_samples=2, check_greedy=False)
+    text = "Tom has 3 apples."
+    tokens, mask = lm.tok_encode(text), lm.model.mask_token_id
+    context = [lm.prefix_token_id]
+    offset = torch.tensor([1])
+    expected = sum(_log_prob(lm.model, context + tokens[:i] + [mask], 1 + i, t, block_offset=offset)
+                   for i, t in enumerate(tokens))
+    long = " ".join(["Sam buys 2 more apples and has 5 apples."] * 12)
+    assert len(lm.tok_encode(long)) > lm.max_length
+    short, longer = lm.loglikelihood_rolling([_request("loglikelihood_rolling", text),
+                                              _request("loglikelihood_rolling", long)])
+    assert short == pytest.approx(expected, abs=1e-4)
+    assert math.isfinite(longer) and longer < short
+
+
+def test_model_args_are_checked_before_loading(tmp_path):
+    missing = str(tmp_path / "absent")  # loading it would fail: the key must be refused first
+    with pytest.raises(ValueError, match=r"unknown model_args key\(s\) \['widow'\].*'window'"):
+        DllmLM(pretrained=missing, sampler="fef", widow=4)
+    with pytest.raises(ValueError, match="mc_samples must be an int >= 1"):
+        DllmLM(pretrained=missing, sampler="fef", mc_samples=0)
+    with pytest.raises(ValueError, match="check_greedy must be True or False"):
+        DllmLM(pretrained=missing, sampler="fef", check_greedy="yes")
+    with pytest.raises(ValueError, match="sampler must be one of"):
+        DllmLM(pretrained=missing, sampler="beam")
+
+
+def test_sampler_option_values_are_checked_at_construction(diffusion_path, causal_path):
+    with pytest.raises(ValueError, match="window must be >= 1"):
+        DllmLM(pretrained=str(diffusion_path), sampler="fef", window=0)
+    with pytest.raises(ValueError, match=r"sampler='fef' needs a diffusion model.*'ar', 'ar_spec'"):
+        DllmLM(pretrained=str(causal_path), sampler="fef")
+    lm = DllmLM(pretrained=str(causal_path), trust_remote_code=True)  # lm-eval users pass it
+    assert lm.sampler == "ar"  # a causal model's default: lm-eval's own numbers
+    lm = DllmLM(pretrained=str(diffusion_path), trust_remote_code=True)  # also to this project's checkpoints
+    assert lm.sampler == "fef"
+    with pytest.raises(ValueError, match=r"unknown model_args key\(s\) \['window'\]"):
+        DllmLM(pretrained=str(causal_path), window=4)  # no sampler named: checked against ar's options
+
+
+def test_batch_size_from_model_args_or_command_line(causal_path):
+    """lm-eval passes --batch_size (default 1), max_batch_size and device to every model."""
+    cli = {"batch_size": 1, "max_batch_size": None, "device": None}
+    lm = DllmLM.create_from_arg_string(f"pretrained={causal_path},sampler=ar,batch_size=3", cli)
+    assert lm.batch_size == 3
+    lm = DllmLM.create_from_arg_string(f"pretrained={causal_path},sampler=ar", {**cli, "batch_size": "2"})
+    assert lm.batch_size == 2  # the command line's value is a string
+    with pytest.raises(ValueError, match="batch_size must be an int >= 1"):
+        DllmLM.create_from_arg_string(f"pretrained={causal_path},sampler=ar,batch_size=big", cli)
+
+
+def test_auto_batch_size_is_the_largest_that_fits(causal_path, monkeypatch):
+    lm = DllmLM(pretrained=str(causal_path), sampler="ar", batch_size="auto", max_batch_size=5)
+    requests = [_request("loglikelihood", "the cat", f" {w}") for w in ("sat", "ran on", "a big red")]
+    one = DllmLM(pretrained=str(causal_path), sampler="ar").loglikelihood(requests)
+    adapter = type(lm.model)
+    plain = adapter.__call__
+
+    def small_memory(self, input_ids, *args, **kw):  # as if more than 4 rows did not fit
+        if input_ids.shape[0] > 4:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes")
+        return plain(self, input_ids, *args, **kw)
+
+    monkeypatch.setattr(adapter, "__call__", small_memory)
+    assert 2 <= lm.batch_size <= 4  # accelerate shrinks 5 until it fits
+    assert [r[0] for r in lm.loglikelihood(requests)] == pytest.approx([r[0] for r in one], abs=1e-5)
+
+
+def test_chat_template_and_device_defaults(causal_path, caplog):
+    with caplog.at_level(logging.INFO):
+        lm = DllmLM(pretrained=str(causal_path), sampler="ar", device=None if torch.cuda.is_available() else "cuda:0")
+    assert lm.chat_template(False) is None
+    assert lm.chat_template(True) == builders.CHAT_TEMPLATE
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert lm._device.type == expected
+    assert "cuda" not in caplog.text.lower()  # chosen quietly
 
 
 def _tiny_tasks(folder: Path) -> Path:
@@ -100,6 +246,9 @@ def _tiny_tasks(folder: Path) -> Path:
     (folder / "mc.yaml").write_text(
         f"task: dllm_tiny_mc\n{common}output_type: multiple_choice\n" + 'doc_to_choice: "{{choices}}"\n'
         'doc_to_target: "{{label}}"\nmetric_list:\n  - metric: acc\n')
+    (folder / "ppl.yaml").write_text(
+        f"task: dllm_tiny_ppl\n{common.replace('{{question}}', '')}output_type: loglikelihood_rolling\n"
+        'doc_to_target: "{{question}} {{answer}}"\nmetric_list:\n  - metric: word_perplexity\n')
     return folder
 
 
@@ -112,9 +261,10 @@ def test_simple_evaluate_offline(causal_path, diffusion_path, tmp_path, monkeypa
     tasks = TaskManager(include_path=str(_tiny_tasks(tmp_path)), include_defaults=False)  # skip indexing ~10k YAMLs
     for path, args in [(causal_path, "sampler=ar"), (diffusion_path, "sampler=fef,window=2,mc_samples=2")]:
         results = lm_eval.simple_evaluate(model="dllm", model_args=f"pretrained={path},{args}",
-                                          tasks=["dllm_tiny_gen", "dllm_tiny_mc"], task_manager=tasks,
-                                          log_samples=True)
-        assert set(results["results"]) == {"dllm_tiny_gen", "dllm_tiny_mc"}
+                                          tasks=["dllm_tiny_gen", "dllm_tiny_mc", "dllm_tiny_ppl"],
+                                          task_manager=tasks, log_samples=True)
+        assert set(results["results"]) == {"dllm_tiny_gen", "dllm_tiny_mc", "dllm_tiny_ppl"}
+        assert math.isfinite(results["results"]["dllm_tiny_ppl"]["word_perplexity,none"])
         assert 0 <= results["results"]["dllm_tiny_mc"]["acc,none"] <= 1
         answers = [s["resps"][0][0] for s in results["samples"]["dllm_tiny_gen"]]
         assert len(answers) == 2 and all("\n" not in a for a in answers)
@@ -127,8 +277,10 @@ def test_command_line_offline(diffusion_path, tmp_path):
     env = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp_path / "cache")}
     result = subprocess.run(
         [sys.executable, "-m", "dllm.eval.lm_eval_plugin", "run", "--model", "dllm", "--model_args",
-         f"pretrained={diffusion_path},sampler=llada,block_length=2", "--tasks", "dllm_tiny_gen",
+         f"pretrained={diffusion_path},sampler=llada,block_length=2,mc_samples=2", "--tasks",
+         "dllm_tiny_gen,dllm_tiny_ppl", "--batch_size", "2",  # a string on lm-eval's command line
          "--include_path", str(tasks), "--output_path", str(tmp_path / "out")],
         cwd=REPO, env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "dllm_tiny_gen" in result.stdout and "exact_match" in result.stdout
+    assert "word_perplexity" in result.stdout and "standard error" in result.stderr
