@@ -50,7 +50,7 @@ import torch
 import dllm
 from dllm.eval import cost_model
 from dllm.eval.bench_report import markdown, print_table, write_plots
-from dllm.eval.runner import parse_value
+from dllm.eval.runner import group_by_length, padding_problem, parse_value
 from dllm.samplers import SAMPLERS
 
 SHIPPED = Path(dllm.__file__).resolve().parent / "weights"
@@ -289,12 +289,15 @@ class Batch:
     attention_mask: torch.Tensor | None
 
 
-def make_batches(ids: list[list[int]], batch_size: int, pad_id: int, device) -> list[Batch]:
-    """Batches of similar-length prompts (sorted by length, so little padding), left padded."""
+def make_batches(ids: list[list[int]], batch_size: int, pad_id: int, device, pad: bool = True) -> list[Batch]:
+    """Batches of similar-length prompts (sorted by length, so little padding), left padded.
+
+    ``pad=False`` (a model of the study cannot honour padding): batches never mix lengths, so none is padded.
+    """
     order = sorted(range(len(ids)), key=lambda i: (len(ids[i]), i))
+    runs = [order] if pad else group_by_length(order, [len(p) for p in ids])
     batches = []
-    for start in range(0, len(order), batch_size):
-        index = order[start : start + batch_size]
+    for index in (run[start : start + batch_size] for run in runs for start in range(0, len(run), batch_size)):
         width = max(len(ids[i]) for i in index)
         rows = [[pad_id] * (width - len(ids[i])) + list(ids[i]) for i in index]
         mask = torch.tensor([[0] * (width - len(ids[i])) + [1] * len(ids[i]) for i in index], device=device)
@@ -362,6 +365,7 @@ class Recorded:
 
     def __init__(self, model, log: CallLog, role: str):
         object.__setattr__(self, "_parts", (model, log, role))
+        self.__wrapped__ = model  # messages name the model, not this wrapper (inspect.unwrap)
 
     def __call__(self, input_ids, *args, **kwargs):
         model, log, role = self._parts
@@ -564,7 +568,11 @@ def _study(configs: list[RunConfig], settings: Settings, aliases: dict[str, str]
     models = list(store.loaded.values())
     prompts = load_prompts(settings, store.tokenizer, min(m.vocab_size for m in models), _special_ids(models))
     _check_lengths(prompts, models, settings)
-    batches = make_batches(prompts.ids, settings.batch_size, _pad_id(store.tokenizer, models), device)
+    problems = list(dict.fromkeys(filter(None, (padding_problem(m, prompts.ids) for m in models))))
+    for problem in problems:  # every configuration gets the same batches, so they stay comparable
+        print(f"dllm bench: {problem}: every configuration decodes batches of equal prompt length")
+    batches = make_batches(prompts.ids, settings.batch_size, _pad_id(store.tokenizer, models), device,
+                           pad=not problems)
     print(f"{len(runs)} configurations x {len(prompts.ids)} prompts ({prompts.source}) on {device}, "
           f"{settings.dtype}, {torch.get_num_threads()} threads")
     profiles, times = time_study(runs, batches, settings)
