@@ -477,6 +477,9 @@ def summarize(run: Prepared, outputs, log: CallLog, seconds: list[float], texts,
     if prompts.task is not None and texts[0] is not None:
         scores = [prompts.task.score(p, t)["correct"] for p, t in zip(prompts.problems, texts)]
     options = {**outputs[0].options, **({"drafter": run.config.drafter} if run.config.drafter else {})}
+    drafter = run.options.get("drafter")
+    needs = {"target": cost_model.needs(run.model, "target", outputs[0].options),  # what the call shapes assume
+             "draft": cost_model.needs(drafter, "draft", {}) if run.config.drafter else None}
     return {
         "name": run.config.name, "model": run.config.model, "drafter": run.config.drafter,
         "sampler": run.config.sampler, "options": _jsonable(options), "temperature": run.temperature,
@@ -496,7 +499,7 @@ def summarize(run: Prepared, outputs, log: CallLog, seconds: list[float], texts,
         "acceptance_per_position": stats.acceptance_per_position,
         "accuracy": None if scores is None else sum(scores) / len(scores),
         "num_scored": 0 if scores is None else len(scores),
-        "examples": texts[:2], "call_shapes": log.to_list(),
+        "examples": texts[:2], "call_shapes": log.to_list(), "needs": needs,
     }
 
 
