@@ -1,0 +1,76 @@
+"""Outputs people look at: the bench plots, the eval report's rows, traces, and progress within a configuration."""
+
+import itertools
+import math
+
+import pytest
+
+from dllm.eval import bench_report, cost_model
+
+plt = cost_model.pyplot()
+needs_matplotlib = pytest.mark.skipif(plt is None, reason="matplotlib is not installed")
+
+
+def _run(name: str, sampler: str, speed: float, accuracy: float, accept=()) -> dict:
+    return {"name": name, "sampler": sampler, "tokens_per_s": speed, "tokens_per_s_min": speed * 0.9,
+            "tokens_per_s_max": speed * 1.1, "accuracy": accuracy, "tokens_per_row_call": 1.0,
+            "acceptance_per_position": list(accept)}
+
+
+# Two coinciding points, two close ones, and a front of three (slow and accurate to fast and rough).
+RUNS = [_run("a", "ar", 21.0, 0.25), _run("b", "fef", 21.0, 0.25), _run("c", "fef", 21.5, 0.25),
+        _run("d", "llada", 45.0, 0.75), _run("e", "fef", 160.0, 0.5), _run("f", "ar_spec", 300.0, 0.5)]
+
+
+@needs_matplotlib
+def test_pareto_draws_its_front_as_a_staircase_through_its_points():
+    fig = bench_report.pareto_figure(plt, RUNS)
+    ax = fig.axes[0]
+    front = next(line for line in ax.lines if line.get_label() == "Pareto front")
+    assert list(zip(front.get_xdata(), front.get_ydata())) == [(45.0, 0.75), (300.0, 0.5)]
+    assert front.get_drawstyle() == "steps-pre"  # no corner above the points: nothing reaches (300, 0.75)
+    plt.close(fig)
+
+
+@needs_matplotlib
+def test_pareto_labels_stay_apart_and_ticks_are_plain_numbers():
+    fig = bench_report.pareto_figure(plt, RUNS)
+    ax = fig.axes[0]
+    fig.canvas.draw()
+    labels = [t for t in ax.texts if t.get_text().isdigit()]
+    assert sorted(t.get_text() for t in labels) == ["1", "2", "3", "4", "5", "6"]
+    centres = [t.get_window_extent().get_points().mean(axis=0) * 72 / fig.dpi for t in labels]
+    for p, q in itertools.combinations(centres, 2):
+        assert math.dist(p, q) >= bench_report.LABEL_SPACING - 1.0  # anchors apart, up to glyph widths
+    ticks = [t.get_text() for t in ax.get_xticklabels()]
+    assert len(ticks) >= 3 and all(t.replace(".", "").isdigit() for t in ticks), ticks  # no 2x10^1 mathtext
+    plt.close(fig)
+
+
+def test_log_ticks_are_readable_over_narrow_and_wide_ranges():
+    assert bench_report._log_ticks(15, 250) == [20, 50, 100, 200]
+    narrow = bench_report._log_ticks(20, 26)
+    assert len(narrow) >= 3 and all(20 <= t <= 26 for t in narrow)
+    assert len(bench_report._log_ticks(0.01, 1e6)) <= 8
+
+
+def test_label_offsets_separate_coinciding_points():
+    offsets = bench_report.label_offsets([[0.0, 0.0]] * 5 + [[100.0, 0.0]], spacing=10.0)
+    placed = [(dx, dy) for dx, dy in offsets[:5]]
+    assert all(math.dist(p, q) >= 10.0 for p, q in itertools.combinations(placed, 2))
+    assert offsets[5] == (4.0, 4.0)  # a lone point keeps the usual place
+
+
+@needs_matplotlib
+def test_identical_acceptance_curves_are_distinguishable():
+    curve = [1.0, 0.6, 0.3]
+    runs = [_run(f"fef w4 {k}", "fef", 10.0, 0.5, curve) for k in range(12)] + [_run("ar", "ar", 10.0, 0.5)]
+    fig = bench_report.acceptance_figure(plt, runs)
+    lines = fig.axes[0].lines
+    assert len(lines) == 12
+    styles = [(line.get_color(), line.get_marker(), line.get_linestyle()) for line in lines]
+    assert len(set(styles)) == 12  # no two curves drawn alike
+    xs = [tuple(line.get_xdata()) for line in lines]
+    assert len(set(xs)) == 12 and all(abs(x - j) < 0.2 for row in xs for j, x in enumerate(row))
+    assert all(tuple(line.get_ydata()) == tuple(curve) for line in lines)  # values are not moved
+    plt.close(fig)
