@@ -74,3 +74,16 @@ def test_identical_acceptance_curves_are_distinguishable():
     assert len(set(xs)) == 12 and all(abs(x - j) < 0.2 for row in xs for j, x in enumerate(row))
     assert all(tuple(line.get_ydata()) == tuple(curve) for line in lines)  # values are not moved
     plt.close(fig)
+
+
+def test_eval_report_rows_name_their_folder(tmp_path, capsys):
+    """Two runs alike in every column the table shows (seeds differ) are told apart by their folders."""
+    from test_eval_report import _stats, _write_run
+
+    from dllm.eval import report
+
+    folders = [_write_run(tmp_path / f"gsm8k-fef-seed{seed}", "gsm8k", "fef", {}, [
+        (_stats(4, 16, 2.0, 8), [{"id": "a", "correct": True, "strict": True}])]) for seed in (0, 1)]
+    assert report.main([str(f) for f in folders] + ["--png", str(tmp_path / "chart.png")]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if "| gsm8k |" in line]
+    assert [row.split(" | ")[0] for row in rows] == [f"| {f}" for f in folders]
