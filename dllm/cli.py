@@ -108,10 +108,13 @@ def _generate(args: argparse.Namespace) -> int:
     answer = out.sequences[0, ids.shape[1]:]
     completion = tokenizer.decode(answer[: int(out.stats.new_tokens)], skip_special_tokens=True)
     if args.trace:
+        from dllm.api import _stop_ids
         from dllm.eval.trace import render_trace
 
-        render_trace(events, tokenizer, args.trace, prompt_length=ids.shape[1],
-                     mask_token_id=getattr(model, "mask_token_id", None))
+        written = render_trace(events, tokenizer, args.trace, prompt_length=ids.shape[1],
+                               mask_token_id=getattr(model, "mask_token_id", None),
+                               stop_token_ids=_stop_ids(model, "model"))  # generate's stops: columns after go
+        print(f"trace written to {written.resolve()}", file=sys.stderr)
     if args.json:
         print(json.dumps({"model": path, "sampler": args.sampler, "options": out.options, "prompt": text,
                           "completion": completion, "exact": out.exact, "stats": out.stats.to_dict()}))

@@ -62,7 +62,7 @@ class Round:
 
 
 def trace_rounds(events: Sequence[dict], *, prompt_length: int | None = None, row: int = 0,
-                 mask_token_id: int | None = None, eos_token_id: int | None = None) -> list[Round]:
+                 mask_token_id: int | None = None, eos_token_id: int | Sequence[int] | None = None) -> list[Round]:
     """The rounds of canvas row ``row``: answer positions from ``prompt_length`` on, classified."""
     mine = [(event, _index(event, row)) for event in events]
     mine = [(event, i) for event, i in mine if i is not None]
@@ -131,16 +131,18 @@ def _ar_round(x: list[int], start: int) -> Round:
     return Round("1 token", cells)
 
 
-def _ar_spec_rounds(mine, start: int, eos: int | None) -> list[Round]:
+def _ar_spec_rounds(mine, start: int, eos: int | Sequence[int] | None) -> list[Round]:
     """ar_spec: each row's length advances by the accepted drafts plus one correction or bonus."""
+    stops = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
     rounds, length = [], start
     for event, i in mine:
         x, drafts = event["x"][i].tolist(), event["drafts"][i].tolist()
         drafted, accepted = int(event["num_drafts"][i]), int(event["num_accepted"][i])
         emitted = min(accepted + 1, len(x) - length)
         new = x[length : length + emitted]
-        if eos is not None and eos in new:  # the row stopped: nothing after its EOS was kept
-            emitted = new.index(eos) + 1
+        stop = next((k for k, t in enumerate(new) if t in stops), None)
+        if stop is not None:  # the row stopped: nothing after its stop token was kept
+            emitted = stop + 1
         cells = [Cell(t, "done") for t in x[start:length]]
         cells += [Cell(t, "accepted" if k < accepted else "fixed") for k, t in enumerate(x[length : length + emitted])]
         if accepted < drafted and emitted > accepted:
@@ -156,20 +158,41 @@ def _ar_spec_rounds(mine, start: int, eos: int | None) -> list[Round]:
 # --------------------------------------------------------------------------------------------------------
 
 
+def drop_after_stop(rounds: list[Round], stop_token_ids: Sequence[int] | None) -> list[Round]:
+    """The rounds without the columns after the row's first stop token in its last round (fill, not answer)."""
+    stops = set(stop_token_ids or ())
+    final = rounds[-1].cells
+    stop = next((j for j, cell in enumerate(final) if cell.token in stops), None)
+    if stop is None:
+        return rounds
+    return [Round(r.summary, r.cells[: stop + 1]) for r in rounds]
+
+
+def check_trace_path(path: str | Path) -> Path:
+    """The trace's path, refused before decoding unless it ends in .html or .png."""
+    path = Path(path)
+    if path.suffix.lower() not in (".html", ".htm", ".png"):
+        raise ValueError(f"trace path must end in .html or .png, got {path.name!r}")
+    return path
+
+
 def render_trace(events: Sequence[dict], tokenizer, path: str | Path, *, prompt_length: int | None = None,
-                 row: int = 0, mask_token_id: int | None = None, title: str | None = None) -> Path:
+                 row: int = 0, mask_token_id: int | None = None, title: str | None = None,
+                 stop_token_ids: Sequence[int] | None = None) -> Path:
     """Write the trajectory of canvas row ``row`` to ``path``: ``.html`` (a table) or ``.png`` (a text grid).
 
     tokenizer: a Hugging Face tokenizer, a sequence of strings (token id -> text), a callable, or None
     (ids shown). ``prompt_length`` is inferred for diffusion and ``ar`` traces; ``mask_token_id`` and
-    the EOS id default to the tokenizer's.
+    the stop ids (``stop_token_ids``: the row ends at the first; later columns are dropped) default to
+    the tokenizer's mask and EOS ids.
     """
-    path = Path(path)
-    if path.suffix.lower() not in (".html", ".htm", ".png"):
-        raise ValueError(f"trace path must end in .html or .png, got {path.name!r}")
+    path = check_trace_path(path)
     mask_token_id = mask_token_id if mask_token_id is not None else getattr(tokenizer, "mask_token_id", None)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    stops = tuple(stop_token_ids) if stop_token_ids is not None else (() if eos is None else (eos,))
     rounds = trace_rounds(events, prompt_length=prompt_length, row=row, mask_token_id=mask_token_id,
-                          eos_token_id=getattr(tokenizer, "eos_token_id", None))
+                          eos_token_id=stops)
+    rounds = drop_after_stop(rounds, stops)
     title = title or f"{events[0]['sampler']} trajectory, row {row}"
     prompt = _prompt_text(events, rounds, row, tokenizer, prompt_length)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -87,3 +87,52 @@ def test_eval_report_rows_name_their_folder(tmp_path, capsys):
     assert report.main([str(f) for f in folders] + ["--png", str(tmp_path / "chart.png")]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if "| gsm8k |" in line]
     assert [row.split(" | ")[0] for row in rows] == [f"| {f}" for f in folders]
+
+
+# ------------------------------------------------------------------ traces
+
+
+def test_trace_drops_the_columns_after_the_rows_stop():
+    from dllm.eval.trace import Cell, Round, drop_after_stop
+
+    eos, eot, mask = 1, 2, 9
+    rounds = [Round("r1", [Cell(5, "fixed"), Cell(None, "masked"), Cell(None, "masked"), Cell(None, "masked")]),
+              Round("r2", [Cell(5, "done"), Cell(eot, "fixed"), Cell(eos, "fixed"), Cell(eos, "fixed")])]
+    kept = drop_after_stop(rounds, (eos, eot))  # a stop id other than the first ends the row too
+    assert [len(r.cells) for r in kept] == [2, 2] and kept[1].cells[1].token == eot
+    assert [len(r.cells) for r in drop_after_stop(rounds, (7,))] == [4, 4]  # no stop: nothing dropped
+    assert mask not in [c.token for r in kept for c in r.cells]
+
+
+def test_rendered_trace_ends_at_each_rows_stop(tmp_path):
+    import re
+
+    import torch
+
+    import dllm
+    from dllm.eval.trace import TraceRecorder, render_trace
+
+    oracle = dllm.HMMOracle.random(num_states=4, num_tokens=8, seed=0, stickiness=3.0, sharpness=2.0)
+    trace = TraceRecorder()
+    out = dllm.generate(oracle, torch.tensor([[0, 1, 2, 0]] * 4), sampler="fef", max_new_tokens=16, temperature=1.0,
+                        generator=torch.Generator().manual_seed(3), callback=trace, window=4, eos_token_id=[3, 5])
+    answers = out.sequences[:, 4:].tolist()
+    stopped = [r for r, a in enumerate(answers) if 3 in a[:-1] or 5 in a[:-1]]
+    assert stopped, answers  # some row stops before the end, so columns are dropped
+    for row in stopped:
+        page = render_trace(trace.events, list("abcdefgh"), tmp_path / f"{row}.html", row=row,
+                            mask_token_id=oracle.mask_token_id, stop_token_ids=[3, 5]).read_text()
+        stop = next(j for j, t in enumerate(answers[row]) if t in (3, 5))
+        assert len(re.findall(r"<th>\d+</th>", page)) == stop + 1, (row, answers[row])
+
+
+def test_cli_trace_says_where_it_was_written(tmp_path, capsys):
+    from fixtures.hf import builders
+
+    from dllm.cli import main
+
+    model = builders.save_dllm(tmp_path / "model", layout="block_causal")
+    path = tmp_path / "trace.html"
+    assert main(["generate", "Tom has 3", "--model", str(model), "--max-new-tokens", "4", "--option", "block_length=2",
+                 "--trace", str(path)]) == 0
+    assert f"trace written to {path.resolve()}" in capsys.readouterr().err
