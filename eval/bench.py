@@ -394,10 +394,11 @@ class Recorded:
         return method(input_ids, positions, *args, cache=cache, **kwargs)
 
 
-def run_pass(run: Prepared, batches: list[Batch], settings: Settings, log: CallLog | None = None):
+def run_pass(run: Prepared, batches: list[Batch], settings: Settings, log: CallLog | None = None, on_batch=None):
     """Decode every batch once -> (seconds summed over the generate calls, outputs).
 
     Batch i is seeded with seed + i for every configuration and repeat: the same noise everywhere.
+    ``on_batch()`` is called after each batch, outside the timed region (progress bars).
     """
     model, options = run.model, dict(run.options)
     if log is not None:
@@ -416,6 +417,8 @@ def run_pass(run: Prepared, batches: list[Batch], settings: Settings, log: CallL
         _synchronize(batch.input_ids.device)
         seconds += time.perf_counter() - start
         outputs.append(out)
+        if on_batch is not None:
+            on_batch()
     return seconds, outputs
 
 
@@ -424,23 +427,35 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_study(runs: list[Prepared], batches: list[Batch], settings: Settings, progress=print):
-    """Recorded pass, warm-up passes, then timed repeats round-robin -> (profiles, seconds per repeat)."""
+def progress_bar(total: int, desc: str):
+    """A bar over the batches of a pass (tqdm on stderr; drawn only on a terminal, gone when done)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True, disable=None, file=sys.stderr)
+
+
+def time_study(runs: list[Prepared], batches: list[Batch], settings: Settings, progress=print, bar=progress_bar):
+    """Recorded pass, warm-up passes, then timed repeats round-robin -> (profiles, seconds per repeat).
+
+    ``bar(total, desc)`` shows progress batch by batch within each configuration's pass (see progress_bar).
+    """
     profiles = {}
     for run in runs:
         log = CallLog()
-        seconds, outputs = run_pass(run, batches, settings, log)
+        with bar(len(batches), f"  recording {run.config.name}") as shown:
+            seconds, outputs = run_pass(run, batches, settings, log, on_batch=shown.update)
         profiles[run.config.name] = (outputs, log)
         progress(f"  recorded {run.config.name} ({seconds:.2f} s)")
     for _ in range(settings.warmup - 1):
-        for run in runs:
-            run_pass(run, batches, settings)
+        list(_passes(runs, batches, settings, bar, "  warm-up"))
     times: dict[str, list[float]] = {run.config.name: [] for run in runs}
     try:
         for repeat in range(settings.repeats):
             shift = repeat % len(runs)  # rotate the start so no configuration always runs first or last
-            for run in runs[shift:] + runs[:shift]:
-                times[run.config.name].append(run_pass(run, batches, settings)[0])
+            order = runs[shift:] + runs[:shift]
+            for run, seconds in zip(order, _passes(order, batches, settings, bar,
+                                                   f"  repeat {repeat + 1}/{settings.repeats}")):
+                times[run.config.name].append(seconds)
             progress(f"  repeat {repeat + 1}/{settings.repeats} done")
     except KeyboardInterrupt:  # also SIGTERM, see run_study: keep the repeats every configuration finished
         done = min(len(t) for t in times.values())
@@ -449,6 +464,14 @@ def time_study(runs: list[Prepared], batches: list[Batch], settings: Settings, p
         progress(f"  interrupted: reporting the {done} repeat(s) every configuration completed")
         times = {name: t[:done] for name, t in times.items()}
     return profiles, times
+
+
+def _passes(runs: list[Prepared], batches: list[Batch], settings: Settings, bar, desc: str):
+    """One pass per configuration, in order, under one bar; yields each pass's timed seconds."""
+    with bar(len(runs) * len(batches), desc) as shown:
+        for run in runs:
+            shown.set_postfix_str(run.config.name)
+            yield run_pass(run, batches, settings, on_batch=shown.update)[0]
 
 
 # --------------------------------------------------------------------------------------------------------

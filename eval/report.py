@@ -161,13 +161,14 @@ def plot_runs(summaries: Sequence[dict], path: str | Path, folders: Sequence[str
         ax.scatter(xs, ys, label=task, color=f"C{index}")
         for (_, name), x, y in zip(runs, xs, ys):
             ax.annotate(name, (x, y), fontsize=7, textcoords="offset points", xytext=(4, 4))
-    ax.set_xlim(left=0)
-    ax.set_ylim(-0.02, 1.02)  # scores are fractions: keep runs on one scale
+    fastest = max((s["speed"]["tokens_per_second"] for s in summaries), default=1.0) or 1.0
+    ax.set_xlim(0, fastest * 1.3)  # room for the last point's label
+    ax.set_ylim(-0.02, 1.1)  # scores are fractions: keep runs on one scale (and labels above 1.0 inside)
     ax.set_xlabel("response tokens / s")
     ax.set_ylabel("accuracy (pass@1 for code)")
     ax.set_title("accuracy against decoding speed")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(loc="lower right")
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

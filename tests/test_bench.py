@@ -117,7 +117,7 @@ def test_batches_sort_by_length_and_left_pad():
 
 def test_repeats_interleave_configurations_round_robin(monkeypatch):
     calls = []
-    monkeypatch.setattr(bench, "run_pass", lambda run, batches, settings, log=None: calls.append(
+    monkeypatch.setattr(bench, "run_pass", lambda run, batches, settings, log=None, on_batch=None: calls.append(
         (run.config.name, log is not None)) or (1.0, []))
     runs = [bench.Prepared(bench.parse_config(f"name={n};model=m;sampler=ar"), None, {}, 0.0) for n in "abc"]
     _, times = bench.time_study(runs, [], bench.Settings(repeats=3, warmup=2), progress=lambda _: None)
@@ -274,7 +274,7 @@ def test_interrupted_repeats_keep_what_every_configuration_finished(monkeypatch)
     """An interrupt in repeat 2 reports repeat 1 for everyone; one before any full repeat propagates."""
     passes = []
 
-    def run_pass(run, batches, settings, log=None):
+    def run_pass(run, batches, settings, log=None, on_batch=None):
         passes.append(run.config.name)
         if len(passes) == 3 + 3 + 2:  # recorded x3, repeat 1 x3, then the second pass of repeat 2
             raise KeyboardInterrupt

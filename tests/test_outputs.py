@@ -136,3 +136,52 @@ def test_cli_trace_says_where_it_was_written(tmp_path, capsys):
     assert main(["generate", "Tom has 3", "--model", str(model), "--max-new-tokens", "4", "--option", "block_length=2",
                  "--trace", str(path)]) == 0
     assert f"trace written to {path.resolve()}" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ bench progress
+
+
+class Bars:
+    """Stands in for progress_bar: records each bar's description, total, updates and postfixes."""
+
+    def __init__(self):
+        self.bars = []
+
+    def __call__(self, total, desc):
+        bar = {"desc": desc, "total": total, "updates": 0, "postfix": []}
+        self.bars.append(bar)
+
+        class Bar:
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                return False
+
+            def update(self, n=1):
+                bar["updates"] += n
+
+            def set_postfix_str(self, text):
+                bar["postfix"].append(text)
+
+        return Bar()
+
+
+def test_bench_shows_progress_batch_by_batch_within_each_configuration():
+    import torch
+
+    import dllm
+    from dllm.eval import bench
+
+    oracle = dllm.HMMOracle.random(num_states=3, num_tokens=6, seed=0)
+    prompts = [[0, 1, 2], [1, 2], [2, 0, 1, 1], [3]]
+    batches = bench.make_batches(prompts, 1, 0, "cpu")  # 4 batches
+    assert len(batches) == 4 and all(isinstance(b.input_ids, torch.Tensor) for b in batches)
+    runs = [bench.Prepared(bench.parse_config(f"name={n};model=m;sampler=sequential"), oracle, {}, 0.0)
+            for n in ("x", "y")]
+    bars = Bars()
+    bench.time_study(runs, batches, bench.Settings(repeats=2, warmup=1, max_new_tokens=2), progress=lambda _: None,
+                     bar=bars)
+    assert [(b["desc"], b["total"], b["updates"]) for b in bars.bars] == [
+        ("  recording x", 4, 4), ("  recording y", 4, 4), ("  repeat 1/2", 8, 8), ("  repeat 2/2", 8, 8)]
+    assert bars.bars[2]["postfix"] == ["x", "y"] and bars.bars[3]["postfix"] == ["y", "x"]  # which configuration
