@@ -152,3 +152,20 @@ def test_bench_runs_a_model_that_cannot_pad(tmp_path, monkeypatch, capsys):
                        for name in ("padded", "grouped"))
     assert grouped["examples"] == padded["examples"] and grouped["new_tokens"] == padded["new_tokens"]
     assert grouped["nfe"] > padded["nfe"]  # more, smaller calls: the prompts really had different lengths
+
+
+def test_eval_on_remote_code_that_ignores_the_mask_equals_code_that_honours_it(tmp_path, capsys):
+    """The LLaDA stand-ins (same weights; one ignores attention_mask, as old LLaDA snapshots did) at T=0."""
+    ignores = builders.save_llada(tmp_path / "ignores", honours_attention_mask=False)
+    honours = builders.save_llada(tmp_path / "honours", honours_attention_mask=True)
+    if dllm.load(ignores).accepts_attention_mask:
+        pytest.skip("this folder now loads without its remote code, which honours padding")
+    args = ["synthetic", "--limit", "4", "--batch-size", "4", "--max-new-tokens", "4", "--sampler", "llada",
+            "--no-progress"]
+    assert runner.main(args + ["--model", str(honours), "--output", str(tmp_path / "padded")]) == 0
+    capsys.readouterr()
+    assert runner.main(args + ["--model", str(ignores), "--output", str(tmp_path / "grouped")]) == 0
+    assert "LLaDAAdapter cannot honour left padding" in capsys.readouterr().err
+    assert _outcome(tmp_path / "grouped") == _outcome(tmp_path / "padded")
+    grouped, padded = (_rows(tmp_path / name)[0]["batch"]["stats"]["nfe"] for name in ("grouped", "padded"))
+    assert grouped > padded  # one call per group of equal length: the prompts were ragged
