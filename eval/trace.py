@@ -192,9 +192,9 @@ def render_trace(events: Sequence[dict], tokenizer, path: str | Path, *, prompt_
     stops = tuple(stop_token_ids) if stop_token_ids is not None else (() if eos is None else (eos,))
     rounds = trace_rounds(events, prompt_length=prompt_length, row=row, mask_token_id=mask_token_id,
                           eos_token_id=stops)
-    rounds = drop_after_stop(rounds, stops)
     title = title or f"{events[0]['sampler']} trajectory, row {row}"
-    prompt = _prompt_text(events, rounds, row, tokenizer, prompt_length)
+    prompt = _prompt_text(events, rounds, row, tokenizer, prompt_length)  # before columns are dropped
+    rounds = drop_after_stop(rounds, stops)
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix.lower() == ".png":
         _png(rounds, tokenizer, title, prompt, path)
@@ -281,7 +281,8 @@ def _png(rounds: list[Round], tokenizer, title: str, prompt: str, path: Path) ->
 
     width, height, meta = max(len(r.cells) for r in rounds), len(rounds), 4.0  # meta: columns of the summary
     top = 0.95  # inches above the grid for the title, the prompt and the legend
-    fig = plt.figure(figsize=(0.55 * (width + meta) + 0.3, 0.36 * height + top + 0.1))
+    legend_width = 9.0  # inches the one-line legend needs; a short answer must not cut it off
+    fig = plt.figure(figsize=(max(0.55 * (width + meta) + 0.3, legend_width), 0.36 * height + top + 0.1))
     inches = fig.get_figheight()
     ax = fig.add_axes((0.005, 0.1 / inches, 0.99, 1 - (top + 0.1) / inches))
     for n, r in enumerate(rounds):
@@ -293,7 +294,7 @@ def _png(rounds: list[Round], tokenizer, title: str, prompt: str, path: Path) ->
             if cell.note is not None:
                 ax.text(meta + j + 0.5, n + 0.84, "\u2717" + _piece(tokenizer, cell.note, 5), ha="center",
                         va="center", fontsize=6, color="#b00000", family="monospace", parse_math=False)
-    ax.set_xlim(0, meta + width)
+    ax.set_xlim(0, (fig.get_figwidth() - 0.3) / 0.55)  # cells keep their size when the legend widens the figure
     ax.set_ylim(height, 0)
     ax.axis("off")
     shown = prompt.replace("\n", "\u23ce")

@@ -124,6 +124,7 @@ def test_rendered_trace_ends_at_each_rows_stop(tmp_path):
                             mask_token_id=oracle.mask_token_id, stop_token_ids=[3, 5]).read_text()
         stop = next(j for j, t in enumerate(answers[row]) if t in (3, 5))
         assert len(re.findall(r"<th>\d+</th>", page)) == stop + 1, (row, answers[row])
+        assert "<b>prompt:</b> <code>abca</code>" in page  # the prompt is not read off the shortened rounds
 
 
 def test_cli_trace_says_where_it_was_written(tmp_path, capsys):
