@@ -428,10 +428,39 @@ def _synchronize(device: torch.device) -> None:
 
 
 def progress_bar(total: int, desc: str):
-    """A bar over the batches of a pass (tqdm on stderr; drawn only on a terminal, gone when done)."""
-    from tqdm.auto import tqdm
+    """Progress over the batches of a pass: a tqdm bar on a terminal (gone when done), else log lines."""
+    if sys.stderr.isatty():
+        from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True, disable=None, file=sys.stderr)
+        return tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True, file=sys.stderr)
+    return LogProgress(total, desc)
+
+
+class LogProgress:
+    """Progress for logs (``gpu_study.sh`` tees them): one line at most every ``interval`` seconds.
+
+    tqdm's carriage returns would fill a log file; a silent long configuration looks hung.
+    """
+
+    def __init__(self, total: int, desc: str, interval: float = 30.0, out=None):
+        self.total, self.desc, self.interval, self.out = total, desc.strip(), interval, out or sys.stderr
+        self.done, self.postfix, self.last = 0, "", time.monotonic()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def set_postfix_str(self, text: str) -> None:
+        self.postfix = text
+
+    def update(self, n: int = 1) -> None:
+        self.done += n
+        if time.monotonic() - self.last >= self.interval and self.done < self.total:
+            self.last = time.monotonic()
+            at = f" ({self.postfix})" if self.postfix else ""
+            print(f"  {self.desc}{at}: batch {self.done}/{self.total}", file=self.out, flush=True)
 
 
 def time_study(runs: list[Prepared], batches: list[Batch], settings: Settings, progress=print, bar=progress_bar):

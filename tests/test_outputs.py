@@ -186,3 +186,20 @@ def test_bench_shows_progress_batch_by_batch_within_each_configuration():
     assert [(b["desc"], b["total"], b["updates"]) for b in bars.bars] == [
         ("  recording x", 4, 4), ("  recording y", 4, 4), ("  repeat 1/2", 8, 8), ("  repeat 2/2", 8, 8)]
     assert bars.bars[2]["postfix"] == ["x", "y"] and bars.bars[3]["postfix"] == ["y", "x"]  # which configuration
+
+
+def test_log_progress_prints_lines_for_logs_at_most_every_interval():
+    import io
+
+    from dllm.eval import bench
+
+    out = io.StringIO()
+    with bench.LogProgress(3, "  repeat 1/2", interval=0.0, out=out) as shown:
+        shown.set_postfix_str("fef w4")
+        for _ in range(3):
+            shown.update()
+    assert out.getvalue().splitlines() == ["  repeat 1/2 (fef w4): batch 1/3", "  repeat 1/2 (fef w4): batch 2/3"]
+    quiet = io.StringIO()
+    with bench.LogProgress(3, "x", interval=3600.0, out=quiet) as shown:
+        shown.update(3)
+    assert quiet.getvalue() == ""
