@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from dllm.numerics import RowGenerators
-from dllm.protocols import accepts_attention_mask, is_causal_model, is_diffusion_model, needs_prompt
+from dllm.protocols import accepts_attention_mask, is_causal_model, is_diffusion_model, needs_prompt, padding_refusal
 from dllm.samplers import SAMPLERS, SamplerSpec
 from dllm.stats import DecodeStats
 from dllm.stops import answer_lengths, resolve
@@ -156,8 +156,8 @@ def _check_attention_mask(attention_mask, input_ids: torch.Tensor, model) -> tor
     if bool(mask.all()):
         return None
     if not accepts_attention_mask(model):
-        raise ValueError(f"{type(model).__name__} does not accept attention_mask (no accepts_attention_mask "
-                         "attribute), so padded prompts would be read as tokens; pass equal-length prompts")
+        raise ValueError(f"attention_mask pads these prompts, but {padding_refusal(model)}; pass equal-length "
+                         "prompts (or one row per call)")
     return mask
 
 

@@ -109,9 +109,12 @@ def _generate(args: argparse.Namespace) -> int:
     completion = tokenizer.decode(answer[: int(out.stats.new_tokens)], skip_special_tokens=True)
     if args.trace:
         from dllm.eval.trace import render_trace
+        from dllm.stops import resolve as resolve_stops
 
-        render_trace(events, tokenizer, args.trace, prompt_length=ids.shape[1],
-                     mask_token_id=getattr(model, "mask_token_id", None))
+        written = render_trace(events, tokenizer, args.trace, prompt_length=ids.shape[1],
+                               mask_token_id=getattr(model, "mask_token_id", None),
+                               stop_token_ids=resolve_stops(model))  # generate's stops: columns after go
+        print(f"trace written to {written.resolve()}", file=sys.stderr)
     if args.json:
         print(json.dumps({"model": path, "sampler": args.sampler, "options": out.options, "prompt": text,
                           "completion": completion, "exact": out.exact, "stats": out.stats.to_dict()}))

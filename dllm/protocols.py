@@ -6,6 +6,7 @@ capabilities found with ``getattr`` and must give the same answer as the plain c
 
 from __future__ import annotations
 
+import inspect
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -77,6 +78,19 @@ def is_causal_model(model: object) -> bool:
 
 def accepts_attention_mask(model: object) -> bool:
     return bool(getattr(model, "accepts_attention_mask", False))
+
+
+def padding_refusal(model: object) -> str:
+    """Why ``model`` cannot take a left-padded batch, naming its own class (wrappers set ``__wrapped__``).
+
+    A model that declares ``accepts_attention_mask = False`` may say why in ``padding_note`` (a phrase).
+    """
+    inner = inspect.unwrap(model) if hasattr(model, "__wrapped__") else model
+    name = type(inner).__name__
+    if not hasattr(inner, "accepts_attention_mask"):
+        return f"{name} declares no accepts_attention_mask, so padding would be read as tokens"
+    note = getattr(inner, "padding_note", None)
+    return f"{name} cannot honour left padding (its accepts_attention_mask is False" + (f": {note})" if note else ")")
 
 
 def has_cache(model: object) -> bool:

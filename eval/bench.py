@@ -50,7 +50,7 @@ import torch
 import dllm
 from dllm.eval import cost_model
 from dllm.eval.bench_report import markdown, print_table, write_plots
-from dllm.eval.runner import parse_value
+from dllm.eval.runner import group_by_length, padding_problem, parse_value
 from dllm.samplers import SAMPLERS
 
 SHIPPED = Path(dllm.__file__).resolve().parent / "weights"
@@ -289,12 +289,15 @@ class Batch:
     attention_mask: torch.Tensor | None
 
 
-def make_batches(ids: list[list[int]], batch_size: int, pad_id: int, device) -> list[Batch]:
-    """Batches of similar-length prompts (sorted by length, so little padding), left padded."""
+def make_batches(ids: list[list[int]], batch_size: int, pad_id: int, device, pad: bool = True) -> list[Batch]:
+    """Batches of similar-length prompts (sorted by length, so little padding), left padded.
+
+    ``pad=False`` (a model of the study cannot honour padding): batches never mix lengths, so none is padded.
+    """
     order = sorted(range(len(ids)), key=lambda i: (len(ids[i]), i))
+    runs = [order] if pad else group_by_length(order, [len(p) for p in ids])
     batches = []
-    for start in range(0, len(order), batch_size):
-        index = order[start : start + batch_size]
+    for index in (run[start : start + batch_size] for run in runs for start in range(0, len(run), batch_size)):
         width = max(len(ids[i]) for i in index)
         rows = [[pad_id] * (width - len(ids[i])) + list(ids[i]) for i in index]
         mask = torch.tensor([[0] * (width - len(ids[i])) + [1] * len(ids[i]) for i in index], device=device)
@@ -362,6 +365,7 @@ class Recorded:
 
     def __init__(self, model, log: CallLog, role: str):
         object.__setattr__(self, "_parts", (model, log, role))
+        self.__wrapped__ = model  # messages name the model, not this wrapper (inspect.unwrap)
 
     def __call__(self, input_ids, *args, **kwargs):
         model, log, role = self._parts
@@ -390,10 +394,11 @@ class Recorded:
         return method(input_ids, positions, *args, cache=cache, **kwargs)
 
 
-def run_pass(run: Prepared, batches: list[Batch], settings: Settings, log: CallLog | None = None):
+def run_pass(run: Prepared, batches: list[Batch], settings: Settings, log: CallLog | None = None, on_batch=None):
     """Decode every batch once -> (seconds summed over the generate calls, outputs).
 
     Batch i is seeded with seed + i for every configuration and repeat: the same noise everywhere.
+    ``on_batch()`` is called after each batch, outside the timed region (progress bars).
     """
     model, options = run.model, dict(run.options)
     if log is not None:
@@ -412,6 +417,8 @@ def run_pass(run: Prepared, batches: list[Batch], settings: Settings, log: CallL
         _synchronize(batch.input_ids.device)
         seconds += time.perf_counter() - start
         outputs.append(out)
+        if on_batch is not None:
+            on_batch()
     return seconds, outputs
 
 
@@ -420,23 +427,64 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_study(runs: list[Prepared], batches: list[Batch], settings: Settings, progress=print):
-    """Recorded pass, warm-up passes, then timed repeats round-robin -> (profiles, seconds per repeat)."""
+def progress_bar(total: int, desc: str):
+    """Progress over the batches of a pass: a tqdm bar on a terminal (gone when done), else log lines."""
+    if sys.stderr.isatty():
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True, file=sys.stderr)
+    return LogProgress(total, desc)
+
+
+class LogProgress:
+    """Progress for logs (``gpu_study.sh`` tees them): one line at most every ``interval`` seconds.
+
+    tqdm's carriage returns would fill a log file; a silent long configuration looks hung.
+    """
+
+    def __init__(self, total: int, desc: str, interval: float = 30.0, out=None):
+        self.total, self.desc, self.interval, self.out = total, desc.strip(), interval, out or sys.stderr
+        self.done, self.postfix, self.last = 0, "", time.monotonic()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def set_postfix_str(self, text: str) -> None:
+        self.postfix = text
+
+    def update(self, n: int = 1) -> None:
+        self.done += n
+        if time.monotonic() - self.last >= self.interval and self.done < self.total:
+            self.last = time.monotonic()
+            at = f" ({self.postfix})" if self.postfix else ""
+            print(f"  {self.desc}{at}: batch {self.done}/{self.total}", file=self.out, flush=True)
+
+
+def time_study(runs: list[Prepared], batches: list[Batch], settings: Settings, progress=print, bar=progress_bar):
+    """Recorded pass, warm-up passes, then timed repeats round-robin -> (profiles, seconds per repeat).
+
+    ``bar(total, desc)`` shows progress batch by batch within each configuration's pass (see progress_bar).
+    """
     profiles = {}
     for run in runs:
         log = CallLog()
-        seconds, outputs = run_pass(run, batches, settings, log)
+        with bar(len(batches), f"  recording {run.config.name}") as shown:
+            seconds, outputs = run_pass(run, batches, settings, log, on_batch=shown.update)
         profiles[run.config.name] = (outputs, log)
         progress(f"  recorded {run.config.name} ({seconds:.2f} s)")
     for _ in range(settings.warmup - 1):
-        for run in runs:
-            run_pass(run, batches, settings)
+        list(_passes(runs, batches, settings, bar, "  warm-up"))
     times: dict[str, list[float]] = {run.config.name: [] for run in runs}
     try:
         for repeat in range(settings.repeats):
             shift = repeat % len(runs)  # rotate the start so no configuration always runs first or last
-            for run in runs[shift:] + runs[:shift]:
-                times[run.config.name].append(run_pass(run, batches, settings)[0])
+            order = runs[shift:] + runs[:shift]
+            for run, seconds in zip(order, _passes(order, batches, settings, bar,
+                                                   f"  repeat {repeat + 1}/{settings.repeats}")):
+                times[run.config.name].append(seconds)
             progress(f"  repeat {repeat + 1}/{settings.repeats} done")
     except KeyboardInterrupt:  # also SIGTERM, see run_study: keep the repeats every configuration finished
         done = min(len(t) for t in times.values())
@@ -445,6 +493,14 @@ def time_study(runs: list[Prepared], batches: list[Batch], settings: Settings, p
         progress(f"  interrupted: reporting the {done} repeat(s) every configuration completed")
         times = {name: t[:done] for name, t in times.items()}
     return profiles, times
+
+
+def _passes(runs: list[Prepared], batches: list[Batch], settings: Settings, bar, desc: str):
+    """One pass per configuration, in order, under one bar; yields each pass's timed seconds."""
+    with bar(len(runs) * len(batches), desc) as shown:
+        for run in runs:
+            shown.set_postfix_str(run.config.name)
+            yield run_pass(run, batches, settings, on_batch=shown.update)[0]
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -473,6 +529,9 @@ def summarize(run: Prepared, outputs, log: CallLog, seconds: list[float], texts,
     if prompts.task is not None and texts[0] is not None:
         scores = [prompts.task.score(p, t)["correct"] for p, t in zip(prompts.problems, texts)]
     options = {**outputs[0].options, **({"drafter": run.config.drafter} if run.config.drafter else {})}
+    drafter = run.options.get("drafter")
+    needs = {"target": cost_model.needs(run.model, "target", outputs[0].options),  # what the call shapes assume
+             "draft": cost_model.needs(drafter, "draft", {}) if run.config.drafter else None}
     return {
         "name": run.config.name, "model": run.config.model, "drafter": run.config.drafter,
         "sampler": run.config.sampler, "options": _jsonable(options), "temperature": run.temperature,
@@ -492,7 +551,7 @@ def summarize(run: Prepared, outputs, log: CallLog, seconds: list[float], texts,
         "acceptance_per_position": stats.acceptance_per_position,
         "accuracy": None if scores is None else sum(scores) / len(scores),
         "num_scored": 0 if scores is None else len(scores),
-        "examples": texts[:2], "call_shapes": log.to_list(),
+        "examples": texts[:2], "call_shapes": log.to_list(), "needs": needs,
     }
 
 
@@ -564,7 +623,11 @@ def _study(configs: list[RunConfig], settings: Settings, aliases: dict[str, str]
     models = list(store.loaded.values())
     prompts = load_prompts(settings, store.tokenizer, min(m.vocab_size for m in models), _special_ids(models))
     _check_lengths(prompts, models, settings)
-    batches = make_batches(prompts.ids, settings.batch_size, _pad_id(store.tokenizer, models), device)
+    problems = list(dict.fromkeys(filter(None, (padding_problem(m, prompts.ids) for m in models))))
+    for problem in problems:  # every configuration gets the same batches, so they stay comparable
+        print(f"dllm bench: {problem}: every configuration decodes batches of equal prompt length")
+    batches = make_batches(prompts.ids, settings.batch_size, _pad_id(store.tokenizer, models), device,
+                           pad=not problems)
     print(f"{len(runs)} configurations x {len(prompts.ids)} prompts ({prompts.source}) on {device}, "
           f"{settings.dtype}, {torch.get_num_threads()} threads")
     profiles, times = time_study(runs, batches, settings)

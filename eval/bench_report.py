@@ -68,34 +68,48 @@ def print_table(runs: list[dict]) -> None:
 
 
 MARKERS = {"ar": "s", "ar_spec": "D", "sequential": "v", "fef": "o"}  # other samplers: "^"
+LABEL_SPACING = 11.0  # points between two labels' anchors: font size 8 plus a margin
 
 
 def plot_pareto(plt, runs: list[dict], path: Path) -> None:
-    """Accuracy against tokens/s (min-max over repeats as error bars), with the Pareto front.
+    """Accuracy against tokens/s (min-max over repeats as error bars), with the Pareto front."""
+    fig = pareto_figure(plt, runs)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
-    Points carry their configuration's number (legend on the right): names would overlap.
+
+def pareto_figure(plt, runs: list[dict]):
+    """The Pareto figure: numbered points (legend on the right: names would overlap), labels kept apart, the
+    front as a staircase through its points (the best accuracy reached at that speed or faster), plain-number log ticks.
     """
     fig, ax = plt.subplots(figsize=(10, 5.5))
     scored = all(r["accuracy"] is not None for r in runs)
     key = "accuracy" if scored else "tokens_per_row_call"
     colours = plt.get_cmap("tab20")
-    for i, run in enumerate(runs):
-        x, y = run["tokens_per_s"], run[key]
+    points = [(r["tokens_per_s"], r[key]) for r in runs]
+    for i, (run, (x, y)) in enumerate(zip(runs, points)):
         err = [[x - run["tokens_per_s_min"]], [run["tokens_per_s_max"] - x]]
         ax.errorbar(x, y, xerr=err, fmt=MARKERS.get(run["sampler"], "^"), color=colours(i % 20), capsize=3,
                     label=f"{i + 1}. {run['name']}")
-        ax.annotate(str(i + 1), (x, y), fontsize=8, xytext=(4, 4), textcoords="offset points")
-    front = _pareto_front([(r["tokens_per_s"], r[key]) for r in runs])
-    ax.plot(*zip(*front), "k--", lw=0.8, label="Pareto front")
+    front = _pareto_front(points)
+    ax.plot(*zip(*front), "k--", lw=0.9, drawstyle="steps-pre", label="Pareto front", zorder=1)
+    ax.plot(*zip(*front), "o", ms=13, mfc="none", mec="k", mew=0.8, zorder=1)
     ax.set_xscale("log")
-    ax.set_xlabel("response tokens / s (median; bars: min-max over repeats)")
+    ax.margins(x=0.08, y=0.12)
+    ax.autoscale_view()
+    ticks = _log_ticks(*ax.get_xlim())
+    ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+    ax.xaxis.set_minor_formatter(plt.NullFormatter())
+    anchors = ax.transData.transform(points) * 72 / fig.dpi  # in points, where label spacing is measured
+    for i, ((x, y), offset) in enumerate(zip(points, label_offsets(anchors.tolist(), LABEL_SPACING))):
+        ax.annotate(str(i + 1), (x, y), fontsize=8, xytext=offset, textcoords="offset points")
+    ax.set_xlabel("response tokens / s (median; bars: min-max over repeats; log scale)")
     ax.set_ylabel("accuracy" if scored else "tokens per row-call (prompts unscored)")
     ax.set_title("Accuracy vs speed" if scored else "Tokens per call vs speed")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
 
 
 def _pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -106,6 +120,41 @@ def _pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]
             front.append((x, y))
             best = y
     return sorted(front)
+
+
+def _log_ticks(low: float, high: float) -> list[float]:
+    """Readable ticks for a log axis over [low, high]: 1-2-5 per decade, finer when that gives fewer than 3."""
+    for subs in ((1, 2, 5), (1, 1.5, 2, 3, 4, 5, 6, 8), tuple(1 + k / 10 for k in range(90))):
+        ticks = [round(m * 10.0 ** e, 12) for e in range(math.floor(math.log10(low)), math.ceil(math.log10(high)) + 1)
+                 for m in subs if low <= m * 10.0 ** e <= high]
+        if len(ticks) >= 3:
+            return _thin(ticks, 8)
+    return [low, high]
+
+
+def _thin(ticks: list[float], most: int) -> list[float]:
+    """Every k-th tick, so at most ``most`` remain."""
+    step = math.ceil(len(ticks) / most)
+    return ticks[::step]
+
+
+def label_offsets(anchors: list[list[float]], spacing: float) -> list[tuple[float, float]]:
+    """Offsets (points) for labels at ``anchors`` (points) so no two labels sit closer than ``spacing``.
+
+    Greedy, in order: each label takes the first candidate position (right-above the point first, then
+    stepping around it further out) that keeps ``spacing`` from every label already placed.
+    """
+    candidates = [(4.0, 4.0)] + [(dx * r, dy * r) for r in (1, 2, 3, 4, 5)
+                                 for dx, dy in ((4, -11), (-12, 4), (-12, -11), (4, 14), (4, -22), (16, 4))]
+    placed: list[tuple[float, float]] = []
+    offsets = []
+    for x, y in anchors:
+        for dx, dy in candidates:
+            if all(math.hypot(x + dx - px, y + dy - py) >= spacing for px, py in placed):
+                break
+        placed.append((x + dx, y + dy))
+        offsets.append((dx, dy))
+    return offsets
 
 
 def plot_calls(plt, runs: list[dict], path: Path) -> None:
@@ -131,12 +180,29 @@ def plot_calls(plt, runs: list[dict], path: Path) -> None:
 
 def plot_acceptance(plt, runs: list[dict], path: Path) -> None:
     """P(drafts 0..j all accepted | j proposed) against window position j, per speculative configuration."""
+    fig = acceptance_figure(plt, runs)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+LINE_STYLES = ("-", "--", "-.", ":")
+CURVE_MARKERS = ("o", "s", "D", "^", "v", "P", "X", "*", "<", ">")
+
+
+def acceptance_figure(plt, runs: list[dict]):
+    """The acceptance figure: each curve its own colour, marker and line style, nudged sideways a little so
+    that identical curves (e.g. fef with and without a cache, exact alike) stay visible side by side.
+    """
     fig, ax = plt.subplots(figsize=(9, 4.5))
-    for run in runs:
+    curves = [r for r in runs if r["acceptance_per_position"]]
+    nudge = 0.3 / max(len(curves), 1)  # all nudges together span under a third of a position
+    for k, run in enumerate(curves):
         accept = run["acceptance_per_position"]
-        if accept:
-            ax.plot(range(len(accept)), accept, "o-", label=run["name"])
-    ax.set_xlabel("window position j")
+        dx = (k - (len(curves) - 1) / 2) * nudge
+        ax.plot([j + dx for j in range(len(accept))], accept, color=plt.get_cmap("tab10")(k % 10),
+                marker=CURVE_MARKERS[k % len(CURVE_MARKERS)], linestyle=LINE_STYLES[k % len(LINE_STYLES)],
+                ms=5, label=run["name"])
+    ax.set_xlabel("window position j (curves nudged sideways to stay apart)")
     ax.set_ylabel("acceptance (drafts 0..j accepted)")
     ax.set_ylim(0, 1.05)
     ax.xaxis.get_major_locator().set_params(integer=True)
@@ -146,8 +212,7 @@ def plot_acceptance(plt, runs: list[dict], path: Path) -> None:
     else:
         ax.text(0.5, 0.5, "no speculative configuration", ha="center", transform=ax.transAxes)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
 
 
 def write_plots(runs: list[dict], folder: Path) -> list[str]:

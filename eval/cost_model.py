@@ -12,8 +12,18 @@ the output head, which do not grow with depth) and evaluated at the target's ful
 Project: every configuration in a results.json carries the shapes of all its model calls (rows x copies,
 new tokens, cached keys), recorded on the small shipped models. Replayed on the target's latency table:
 projected time per token = sum over calls of latency(rows, tokens, context) / generated tokens. Model
-names map to architectures with ``--role NAME=ARCH`` (default: ar -> qwen3-8b, diffusion -> llada-8b,
-drafter -> qwen3-0.6b). ``ASSUMPTIONS`` lists what this leaves out; it is written next to the numbers.
+names map to architectures with ``--role NAME=ARCH``, repeatable to project one model onto several targets
+(default: ar -> qwen3-8b, diffusion -> llada-8b and llada-8b+block8, drafter -> qwen3-0.6b).
+``ASSUMPTIONS`` lists what this leaves out; it is written next to the numbers.
+
+Layouts. Call shapes are only valid on a target whose attention allows the same computation
+(``needs`` / ``fits``). The shipped diffusion model is block-causal: its exact block cache (and ar_spec's
+block drafter) call only the active block against cached earlier blocks. LLaDA-8B and Dream-7B attend
+bidirectionally, so there every exact step is a whole-sequence call: such a configuration is reported as
+not valid on them, never replayed. It is projected on a block-causal target with the same block size:
+``ARCH+blockN`` turns any preset into one (e.g. ``llada-8b+block8``, a hypothetical LLaDA-8B trained for
+block diffusion; block-diffusion models converted from AR ones, like ``qwen3-8b+block4``, have this shape).
+Whole-sequence configurations (no cache, or Fast-dLLM's approximate caches) are valid on both.
 """
 
 from __future__ import annotations
@@ -31,6 +41,8 @@ from typing import Any
 import torch
 
 from dllm.models.transformer import TransformerConfig, TransformerLM
+from dllm.protocols import is_causal_model
+from dllm.samplers.canvas import choose_session
 
 # Target shapes (dims from the models' published configs). head_dim is dim / n_heads in TransformerLM.
 ARCHS: dict[str, dict[str, Any]] = {
@@ -41,9 +53,11 @@ ARCHS: dict[str, dict[str, Any]] = {
                      layout="causal"),
     "qwen3-0.6b": dict(dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, vocab_size=151936, mlp_hidden=3072,
                        layout="causal"),
-    "tiny": dict(dim=64, n_layers=2, n_heads=2, vocab_size=256, mlp_hidden=128, layout="causal"),
+    "tiny": dict(dim=64, n_layers=2, n_heads=2, vocab_size=256, mlp_hidden=128, layout="causal"),  # for tests
+    "tiny-bidirectional": dict(dim=64, n_layers=2, n_heads=2, vocab_size=256, mlp_hidden=128, layout="bidirectional"),
 }
-DEFAULT_ROLES = {"ar": "qwen3-8b", "diffusion": "llada-8b", "drafter": "qwen3-0.6b"}
+DEFAULT_ROLES = {"ar": ("qwen3-8b",), "diffusion": ("llada-8b", "llada-8b+block8"), "drafter": ("qwen3-0.6b",)}
+BLOCK_SUFFIX = "+block"  # ARCH+blockN: the preset with block-causal attention in blocks of N
 GRIDS = {  # (rows, new tokens, cached context, depths measured, repetitions)
     "cpu": ((1, 4), (1, 16), (0, 64), (1, 2), 2),
     "cuda": ((1, 4, 16, 64), (1, 8, 32, 128), (0, 256, 1024), (2, 4), 5),
@@ -59,6 +73,9 @@ ASSUMPTIONS = (
     "{dtype} on {device}",
     "projection replays call shapes and acceptance measured on the small shipped models (results.json): an 8B "
     "model accepts differently, so read it as 'an 8B target that accepted like the small one'",
+    "layouts: a configuration is replayed only on targets whose attention makes its recorded calls the same "
+    "computation (block-cached calls of the block-causal study model need a block-causal target with its block "
+    "size; LLaDA-8B and Dream-7B are bidirectional); the grid of valid pairs is written with the numbers",
     "only model forwards count: sampling, verification, cache gathers and Python overhead are left out (small "
     "next to an 8B forward on a GPU, not on a CPU)",
     "shapes outside the grid: proportional to rows and to new tokens beyond the largest measured (compute "
@@ -74,8 +91,8 @@ def add_arguments(group) -> None:
                        help=f"architecture to measure: {', '.join(ARCHS)} or a model folder (repeatable)")
     group.add_argument("--results", help="results.json of a study to project onto the architectures")
     group.add_argument("--role", action="append", default=[], metavar="MODEL=ARCH",
-                       help="architecture standing in for a study model (default ar=qwen3-8b, diffusion=llada-8b, "
-                            "drafter=qwen3-0.6b)")
+                       help="architecture standing in for a study model, repeatable for several targets (default "
+                            "ar=qwen3-8b, diffusion=llada-8b and diffusion=llada-8b+block8, drafter=qwen3-0.6b)")
     for name in ("rows", "tokens", "contexts", "layers"):
         group.add_argument(f"--cost-{name}", help=f"comma-separated {name} of the grid (default depends on "
                                                    "device; --cost-layers full: measure at full depth)")
@@ -97,20 +114,79 @@ class Grid:
 
 
 def arch_config(arch: str) -> dict[str, Any]:
-    """TransformerConfig fields of a preset, or of a model folder's config.json (ours or Hugging Face's)."""
+    """TransformerConfig fields of a preset (``+blockN``: made block-causal), or of a folder's config.json."""
     if arch in ARCHS:
         return dict(ARCHS[arch])
     file = Path(arch) / "config.json"
+    if BLOCK_SUFFIX in arch and not file.is_file():
+        base, _, size = arch.rpartition(BLOCK_SUFFIX)
+        if not size.isdigit() or int(size) < 1:
+            raise ValueError(f"architecture {arch!r}: {BLOCK_SUFFIX}N needs a block size N >= 1, got {size!r}")
+        return {**arch_config(base), "layout": "block_causal", "block_size": int(size)}
     if not file.is_file():
-        raise ValueError(f"architecture {arch!r} is neither a preset ({', '.join(ARCHS)}) "
-                         "nor a folder with config.json")
+        raise ValueError(f"architecture {arch!r} is neither a preset ({', '.join(ARCHS)}, or one with "
+                         f"{BLOCK_SUFFIX}N) nor a folder with config.json")
     config = json.loads(file.read_text())
     if "layout" in config:
         keys = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "mlp_hidden", "layout", "block_size")
         return {k: config[k] for k in keys if config.get(k) is not None}
+    if config.get("model_type") == "llada":  # OLMo-style keys; bidirectional attention
+        vocab = config.get("embedding_size") or config["vocab_size"]  # the padded output size
+        return dict(dim=config["d_model"], n_layers=config["n_layers"], n_heads=config["n_heads"],
+                    n_kv_heads=config.get("n_kv_heads"), vocab_size=vocab, mlp_hidden=config["mlp_hidden_size"],
+                    layout="bidirectional")
+    layout = "bidirectional" if config.get("model_type") == "Dream" else "causal"  # Dream: Qwen2 keys, no mask
     return dict(dim=config["hidden_size"], n_layers=config["num_hidden_layers"],
                 n_heads=config["num_attention_heads"], n_kv_heads=config.get("num_key_value_heads"),
-                vocab_size=config["vocab_size"], mlp_hidden=config["intermediate_size"], layout="causal")
+                vocab_size=config["vocab_size"], mlp_hidden=config["intermediate_size"], layout=layout)
+
+
+def needs(model, role: str, options: dict[str, Any]) -> str:
+    """What a configuration's recorded calls of ``model`` assume of a target's attention (read by ``fits``).
+
+    "causal" (AR calls), "diffusion" (whole-sequence calls or approximate caches: any diffusion layout), or
+    "block_causal:N" (calls of the active block only: the exact block cache, or ar_spec's block drafter,
+    which reads the canvas only up to its drafts' block).
+    """
+    if is_causal_model(model):
+        return "causal"
+    size = getattr(model, "block_size", None)
+    if role == "draft":
+        return f"block_causal:{size}" if size else "diffusion"
+    if choose_session(options.get("cache", "none"), model, options.get("block_length")) == "block":
+        return f"block_causal:{size}"
+    return "diffusion"
+
+
+def _needs_of_old_results(run: dict) -> dict[str, str | None]:
+    """``needs`` for a results.json written before it was recorded: read off the sampler and call shapes."""
+    from dllm.samplers import SAMPLERS
+
+    if SAMPLERS[run["sampler"]].model_kind == "causal":
+        return {"target": "causal", "draft": None}  # a drafter's layout was not recorded: unchecked
+    cache = run["options"].get("cache", "none")
+    cached = any(c["context"] for c in run["call_shapes"] if c["role"] == "target")
+    block = cache == "block" or (cache == "auto" and cached)
+    return {"target": f"block_causal:{run['options'].get('block_length')}" if block else "diffusion", "draft": None}
+
+
+def fits(need: str | None, arch: str, shape: dict[str, Any]) -> str | None:
+    """Why calls that ``need`` a layout cannot be replayed on ``arch`` (None: they can)."""
+    layout = shape["layout"]
+    if need is None:
+        return None
+    if need == "causal":
+        return None if layout == "causal" else f"AR calls need a causal target; {arch} is {layout}"
+    if layout == "causal":
+        return f"diffusion calls need a bidirectional or block-causal target; {arch} is causal"
+    if need.startswith("block_causal:"):
+        size = need.partition(":")[2]
+        if layout != "block_causal" or str(shape.get("block_size")) != size:
+            has = layout if layout != "block_causal" else f"block-causal in blocks of {shape.get('block_size')}"
+            base = arch.rpartition(BLOCK_SUFFIX)[0] or arch
+            return (f"its calls cover one block against cached earlier blocks (exact only with block-causal "
+                    f"attention in blocks of {size}); {arch} is {has}: project onto e.g. {base}{BLOCK_SUFFIX}{size}")
+    return None
 
 
 def build(shape: dict[str, Any], n_layers: int, max_len: int, device, dtype) -> TransformerLM:
@@ -252,37 +328,77 @@ def measure(arch: str, grid: Grid, device, dtype, progress=print) -> LatencyTabl
 # --------------------------------------------------------------------------------------------------------
 
 
-def project(results: dict, tables: dict[str, LatencyTable], roles: dict[str, str]) -> list[dict]:
-    """Projected time per token of every configuration in ``results`` on the role architectures."""
+def project(results: dict, tables: dict[str, LatencyTable], roles: dict[str, tuple[str, ...]]) -> list[dict]:
+    """Projected time per token of every configuration in ``results`` on each of its model's target archs.
+
+    One row per (configuration, target). A target whose attention cannot run the recorded calls (``fits``)
+    gets ``valid`` False, its reason in ``why`` and no projected numbers. The drafter runs on the first of its
+    role's archs that fits its calls.
+    """
     rows = []
     for run in results["runs"]:
         if not run["call_shapes"]:  # sampler="native": the checkpoint's own loop records no call shapes
             continue
-        total = extrapolated = 0.0
-        for call in run["call_shapes"]:
-            name = run["model"] if call["role"] == "target" else run["drafter"]
-            seconds, extra = tables[_role(roles, name)].latency(call["rows"], call["tokens"], call["context"])
-            total += seconds * call["count"]
-            extrapolated += seconds * call["count"] * extra
-        per_token = total / max(run["new_tokens"], 1)
-        rows.append({"name": run["name"], "sampler": run["sampler"], "target_arch": _role(roles, run["model"]),
-                     "drafter_arch": _role(roles, run["drafter"]) if run.get("drafter") else None,
-                     "projected_s_per_token": per_token, "projected_tokens_per_s": 1 / per_token if per_token else 0.0,
-                     "extrapolated_fraction": extrapolated / total if total else 0.0,
-                     "measured_speedup": run.get("speedup"), "exact": run.get("exact")})
-    if not rows:
-        raise ValueError("no configuration in these results recorded model-call shapes to project")
-    base = next((r for r in rows if r["name"] == results.get("baseline")), rows[0])
+        need = run.get("needs") or _needs_of_old_results(run)
+        drafters = _role(roles, run["drafter"]) if run.get("drafter") else (None,)
+        drafter, why_not_drafter = _first_fit(need["draft"], drafters, tables)
+        for target in _role(roles, run["model"]):
+            why = fits(need["target"], target, tables[target].shape) or why_not_drafter
+            row = {"name": run["name"], "sampler": run["sampler"], "target_arch": target, "drafter_arch": drafter,
+                   "valid": why is None, "why": why, "measured_speedup": run.get("speedup"), "exact": run.get("exact"),
+                   "projected_s_per_token": None, "projected_tokens_per_s": None, "extrapolated_fraction": None}
+            if why is None:
+                row.update(_replay(run, tables[target], tables.get(drafter)))
+            rows.append(row)
+    valid = [r for r in rows if r["valid"]]
+    if not valid:
+        raise ValueError("no configuration in these results has recorded call shapes valid on its targets: "
+                         + "; ".join(f"{r['name']} on {r['target_arch']}: {r['why']}" for r in rows[:3]))
+    base = next((r for r in valid if r["name"] == results.get("baseline")), valid[0])
     for row in rows:
-        row["projected_speedup"] = base["projected_s_per_token"] / row["projected_s_per_token"]
+        row["projected_speedup"] = base["projected_s_per_token"] / row["projected_s_per_token"] if row["valid"] \
+            else None
     return rows
 
 
-def _role(roles: dict[str, str], name: str) -> str:
+def _first_fit(need: str | None, archs: tuple, tables: dict[str, LatencyTable]) -> tuple[str | None, str | None]:
+    """The first arch that runs calls needing ``need`` -> (arch, None), or (None, why none does)."""
+    if archs == (None,):
+        return None, None
+    reasons = [fits(need, arch, tables[arch].shape) for arch in archs]
+    if None in reasons:
+        return archs[reasons.index(None)], None
+    return None, f"drafter: {reasons[0]}"
+
+
+def _replay(run: dict, target: LatencyTable, drafter: LatencyTable | None) -> dict:
+    """The run's recorded calls replayed on the latency tables -> projected seconds per token and extrapolation."""
+    total = extrapolated = 0.0
+    for call in run["call_shapes"]:
+        table = target if call["role"] == "target" else drafter
+        seconds, extra = table.latency(call["rows"], call["tokens"], call["context"])
+        total += seconds * call["count"]
+        extrapolated += seconds * call["count"] * extra
+    per_token = total / max(run["new_tokens"], 1)
+    return {"projected_s_per_token": per_token, "projected_tokens_per_s": 1 / per_token if per_token else 0.0,
+            "extrapolated_fraction": extrapolated / total if total else 0.0}
+
+
+def _role(roles: dict[str, tuple[str, ...]], name: str) -> tuple[str, ...]:
     if name not in roles:
         raise ValueError(f"model {name!r} of the results has no architecture; pass --role {name}=ARCH "
-                         f"(one of {', '.join(ARCHS)} or a model folder)")
+                         f"(one of {', '.join(ARCHS)}, ARCH{BLOCK_SUFFIX}N, or a model folder)")
     return roles[name]
+
+
+def parse_roles(items: list[str]) -> dict[str, tuple[str, ...]]:
+    """``--role MODEL=ARCH`` items over DEFAULT_ROLES; a model named more than once gets each arch, in order."""
+    if any("=" not in item for item in items):
+        raise SystemExit(f"--role expects MODEL=ARCH, got {items}")
+    given: dict[str, tuple[str, ...]] = {}
+    for model, arch in (item.split("=", 1) for item in items):
+        given[model] = given.get(model, ()) + ((arch,) if arch not in given.get(model, ()) else ())
+    return {**DEFAULT_ROLES, **given}
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -328,16 +444,34 @@ def markdown(report: dict) -> str:
         lines += [f"| {arch} | {p['rows']} | {p['tokens']} | {p['context']} | {p['seconds'] * 1e3:.2f} |"
                   for p in table["points"]]
     if report["projection"]:
-        proj = report["projection"]
-        lines += ["", f"Projection of {proj['results']} (roles {proj['roles']}), speedups vs `{proj['baseline']}`:",
-                  "", "| configuration | target | drafter | proj. ms/token | proj. speedup | measured speedup | "
-                  "extrapolated |", "| --- | --- | --- | --- | --- | --- | --- |"]
-        for r in proj["runs"]:
+        lines += _projection_markdown(report["projection"])
+    return "\n".join(lines) + "\n"
+
+
+def _projection_markdown(proj: dict) -> list[str]:
+    """Which configuration is valid on which target (a grid), then the projected numbers of the valid pairs."""
+    targets = list(dict.fromkeys(r["target_arch"] for r in proj["runs"]))
+    valid = {(r["name"], r["target_arch"]): r["valid"] for r in proj["runs"]}
+    names = list(dict.fromkeys(r["name"] for r in proj["runs"]))
+    lines = ["", f"Projection of {proj['results']} (roles {proj['roles']}), speedups vs `{proj['baseline']}`.", "",
+             "Valid configurations per target (yes: its recorded calls run the same computation there; no: see "
+             "below; -: not a target of its model):", "",
+             "| configuration | " + " | ".join(targets) + " |", "|" + " --- |" * (len(targets) + 1)]
+    lines += [f"| {name} | " + " | ".join({True: "yes", False: "no", None: "-"}[valid.get((name, t))]
+                                          for t in targets) + " |" for name in names]
+    lines += ["", "| configuration | target | drafter | proj. ms/token | proj. speedup | measured speedup | "
+              "extrapolated |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in proj["runs"]:
+        if r["valid"]:
             measured = "-" if r["measured_speedup"] is None else f"{r['measured_speedup']:.2f}"
             lines.append(f"| {r['name']} | {r['target_arch']} | {r['drafter_arch'] or '-'} | "
                          f"{r['projected_s_per_token'] * 1e3:.2f} | {r['projected_speedup']:.2f} | {measured} | "
                          f"{r['extrapolated_fraction']:.0%} |")
-    return "\n".join(lines) + "\n"
+    invalid = [r for r in proj["runs"] if not r["valid"]]
+    if invalid:
+        lines += ["", "Not projected (the recorded calls would not be the same computation on the target):", ""]
+        lines += [f"- {r['name']} on {r['target_arch']}: {r['why']}" for r in invalid]
+    return lines
 
 
 def plot(report: dict, folder: Path) -> list[str]:
@@ -359,12 +493,12 @@ def plot(report: dict, folder: Path) -> list[str]:
     plt.close(fig)
     if not report["projection"]:
         return ["latency.png"]
-    runs = report["projection"]["runs"]
+    runs = [r for r in report["projection"]["runs"] if r["valid"]]  # invalid pairs have no projection
     fig, ax = plt.subplots(figsize=(8, 0.3 * len(runs) + 1.5))
     y = range(len(runs))
     ax.barh([i - 0.2 for i in y], [r["projected_speedup"] for r in runs], height=0.4, label="projected (target)")
     ax.barh([i + 0.2 for i in y], [r["measured_speedup"] or 0 for r in runs], height=0.4, label="measured (study)")
-    ax.set_yticks(list(y), [r["name"] for r in runs], fontsize=8)
+    ax.set_yticks(list(y), [f"{r['name']} \u2192 {r['target_arch']}" for r in runs], fontsize=8)
     ax.invert_yaxis()
     ax.axvline(1.0, color="k", lw=0.8)
     ax.set_xlabel(f"speedup vs {report['projection']['baseline']}")
@@ -384,13 +518,11 @@ def main(args) -> int:
         torch.set_num_threads(args.threads)
     grid = grid_from_args(args, device)
     results = json.loads(Path(args.results).read_text()) if args.results else None
-    if any("=" not in item for item in args.role):
-        raise SystemExit(f"--role expects MODEL=ARCH, got {args.role}")
-    roles = {**DEFAULT_ROLES, **dict(item.split("=", 1) for item in args.role)}
+    roles = parse_roles(args.role)
     archs = list(args.arch)
     if results is not None:  # every architecture the projection needs, plus any asked for
-        needed = {_role(roles, r["model"]) for r in results["runs"]}
-        needed |= {_role(roles, r["drafter"]) for r in results["runs"] if r.get("drafter")}
+        needed = {a for r in results["runs"] for a in _role(roles, r["model"])}
+        needed |= {a for r in results["runs"] if r.get("drafter") for a in _role(roles, r["drafter"])}
         archs += sorted(needed - set(archs))
     archs = archs or ["llada-8b", "qwen3-8b"]
     print(f"cost model on {device} ({dtype_name}): {', '.join(archs)}; grid {grid}")

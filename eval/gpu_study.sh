@@ -6,12 +6,16 @@
 #   SMALL=1 bash eval/gpu_study.sh [OUT]  # small settings (the default where CUDA is missing): CPU-sized
 #
 # OUT (default runs/gpu_study_<date>) receives: results.json/.md and plots of the study, study.log;
-# cost_model.json/.md, latency.png, projection.png, cost.log (8B-class targets); selfcheck/ (the cost model
+# cost_model.json/.md, latency.png, projection.png, cost.log (8B-class targets: cost_model.md's grid says
+# which configuration is valid on which target; the shipped diffusion model is block-causal, so its
+# block-cached configurations are projected onto llada-8b+blockN, LLaDA-8B's shape with block-causal
+# attention in the shipped model's blocks, and never onto the bidirectional llada-8b); selfcheck/ (the cost model
 # on the shipped models' own shapes, projected from the same results: compare its projected speedups with
 # the measured ones to see how far "forward time is all that counts" holds on this device).
 #
 # Overrides (environment): MODEL_AR, MODEL_DIFFUSION, MODEL_DRAFTER (folders; default the shipped models),
-# PROMPTS, NUM_PROMPTS, MAX_NEW_TOKENS, BATCH_SIZE, REPEATS, WARMUP, THREADS, COST_ROLES (name=arch,...),
+# PROMPTS, NUM_PROMPTS, MAX_NEW_TOKENS, BATCH_SIZE, REPEATS, WARMUP, THREADS, COST_ROLES (name=arch,...; a
+# name may repeat to project onto several targets),
 # COST_ARCHS (extra archs, comma-separated), COST_ROWS, COST_TOKENS, COST_CONTEXTS, COST_LAYERS, COST_REPS,
 # SELFCHECK (0 to skip), PYTHON.
 set -euo pipefail
@@ -33,12 +37,15 @@ else
   : "${SELF_ROWS:=1,4,16,64,144}" "${SELF_TOKENS:=1,8,32,128,256}" "${SELF_CONTEXTS:=0,128,256}"
 fi
 : "${PROMPTS:=synthetic}" "${WARMUP:=1}" "${SELFCHECK:=1}" "${COST_ARCHS:=}"
-: "${COST_ROLES:=ar=qwen3-8b,diffusion=llada-8b,drafter=qwen3-0.6b}"
 
 shipped() { "$PY" -c "from dllm.eval.bench import DEFAULT_MODELS; print(DEFAULT_MODELS['$1'])"; }
 MODEL_AR=${MODEL_AR:-$(shipped ar)}
 MODEL_DIFFUSION=${MODEL_DIFFUSION:-$(shipped diffusion)}
 MODEL_DRAFTER=${MODEL_DRAFTER:-$(shipped drafter)}
+# The block-causal 8B target takes the study model's block size (its block-cached call shapes need it).
+BLOCK=$("$PY" -c "import json, sys; print(json.load(open(sys.argv[1] + '/config.json')).get('block_size') or '')" \
+  "$MODEL_DIFFUSION" 2>/dev/null || true)
+: "${COST_ROLES:=ar=qwen3-8b,diffusion=llada-8b${BLOCK:+,diffusion=llada-8b+block$BLOCK},drafter=qwen3-0.6b}"
 
 common=(--device "${DEVICE:-auto}" --dtype "${DTYPE:-bfloat16}")
 [[ -n "${THREADS:-}" ]] && common+=(--threads "$THREADS")

@@ -122,16 +122,20 @@ def _options_text(summary: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in given.items()) or "defaults"
 
 
-def markdown_table(summaries: Sequence[dict]) -> str:
-    """One row per run: task x sampler with accuracy, speed, NFE and acceptance length."""
-    header = ("| task | sampler | options | model | T | n | metric | score | tokens/s | NFE | tokens/call "
+def markdown_table(summaries: Sequence[dict], folders: Sequence[str | Path] | None = None) -> str:
+    """One row per run, named by its folder: task x sampler with accuracy, speed, NFE and acceptance length.
+
+    Runs that differ only in what the table does not show (seed, dtype, task options) stay told apart.
+    """
+    folders = folders if folders is not None else ["-"] * len(summaries)
+    header = ("| run | task | sampler | options | model | T | n | metric | score | tokens/s | NFE | tokens/call "
               "| acceptance length |")
     lines = [header, "|" + " --- |" * (header.count("|") - 1)]
-    for s in summaries:
+    for folder, s in zip(folders, summaries):
         name, value = _headline(s)
         speed = s["speed"]
         lines.append(
-            f"| {s['task']} | {s['sampler']} | {_options_text(s)} | {Path(str(s['model'])).name} "
+            f"| {folder} | {s['task']} | {s['sampler']} | {_options_text(s)} | {Path(str(s['model'])).name} "
             f"| {s['config']['temperature']:g} | {s['counts']['samples']} | {name} | {value:.3f} "
             f"| {speed['tokens_per_second']:.1f} | {speed['nfe']} | {speed['tokens_per_call']:.2f} "
             f"| {speed['mean_acceptance_length']:.2f} |"
@@ -139,30 +143,32 @@ def markdown_table(summaries: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot_runs(summaries: Sequence[dict], path: str | Path) -> Path:
-    """Save a scatter chart of score against response tokens per second, one point per run."""
+def plot_runs(summaries: Sequence[dict], path: str | Path, folders: Sequence[str | Path] | None = None) -> Path:
+    """Save a scatter chart of score against response tokens per second, one point per run (named by folder)."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display on servers and CI
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    names = [Path(str(f)).name for f in folders] if folders is not None else \
+        [f"{s['sampler']} ({_options_text(s)})" for s in summaries]
     tasks = sorted({s["task"] for s in summaries})
     for index, task in enumerate(tasks):
-        runs = [s for s in summaries if s["task"] == task]
-        xs = [s["speed"]["tokens_per_second"] for s in runs]
-        ys = [_headline(s)[1] for s in runs]
+        runs = [(s, n) for s, n in zip(summaries, names) if s["task"] == task]
+        xs = [s["speed"]["tokens_per_second"] for s, _ in runs]
+        ys = [_headline(s)[1] for s, _ in runs]
         ax.scatter(xs, ys, label=task, color=f"C{index}")
-        for s, x, y in zip(runs, xs, ys):
-            ax.annotate(f"{s['sampler']} ({_options_text(s)})", (x, y), fontsize=7,
-                        textcoords="offset points", xytext=(4, 4))
-    ax.set_xlim(left=0)
-    ax.set_ylim(-0.02, 1.02)  # scores are fractions: keep runs on one scale
+        for (_, name), x, y in zip(runs, xs, ys):
+            ax.annotate(name, (x, y), fontsize=7, textcoords="offset points", xytext=(4, 4))
+    fastest = max((s["speed"]["tokens_per_second"] for s in summaries), default=1.0) or 1.0
+    ax.set_xlim(0, fastest * 1.3)  # room for the last point's label
+    ax.set_ylim(-0.02, 1.1)  # scores are fractions: keep runs on one scale (and labels above 1.0 inside)
     ax.set_xlabel("response tokens / s")
     ax.set_ylabel("accuracy (pass@1 for code)")
     ax.set_title("accuracy against decoding speed")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(loc="lower right")
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -182,8 +188,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"not evaluation folders (no {RUN_FILE}): {', '.join(missing)}", file=sys.stderr)
         return 2
     summaries = [summarize_folder(f) for f in args.folders]
-    print(markdown_table(summaries))
-    print(f"\nchart: {plot_runs(summaries, args.png)}")
+    print(markdown_table(summaries, args.folders))
+    print(f"\nchart: {plot_runs(summaries, args.png, args.folders)}")
     return 0
 
 

@@ -31,8 +31,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import hashlib
 import json
+import operator
 import os
 import platform
 import secrets
@@ -51,7 +53,7 @@ from dllm.eval.report import RUN_FILE, SAMPLES_FILE, SUMMARY_FILE, load_samples,
 from dllm.eval.tasks import TASKS, get_task
 from dllm.models.chat import has_chat_template
 from dllm.models.loading import KINDS
-from dllm.protocols import is_causal_model
+from dllm.protocols import accepts_attention_mask, is_causal_model, padding_refusal
 from dllm.samplers import SAMPLERS
 from dllm.stops import answer_lengths, resolve
 
@@ -514,14 +516,8 @@ def _decode_batch(job: _Job, items: list[_Item], index: int, rank: int) -> list[
     """Generate, decode and score one batch; its rows for samples.jsonl."""
     config, model = job.config, job.model
     device = model_device(model)
-    input_ids, mask = left_pad([job.prompt_ids[i.problem] for i in items], _pad_id(model), device)
     seed = batch_seed(config.seed, job.key(items[0]))
-    generator = torch.Generator(device=device).manual_seed(seed)
-    with torch.inference_mode():  # samplers never need gradients; project models do not switch them off
-        out = dllm.generate(model, input_ids, sampler=config.sampler, max_new_tokens=config.max_new_tokens,
-                            temperature=config.temperature, generator=generator, attention_mask=mask,
-                            **job.options)
-    answers = out.sequences[:, input_ids.shape[1]:]
+    answers, out = _generate_batch(job, items, seed, device)
     lengths = (answer_lengths(answers, job.stop_ids) if job.stop_ids else
                torch.full((len(items),), answers.shape[1])).tolist()
     completions = [_completion(model.tokenizer, row, job.stop_ids, job.task.stop) for row in answers.tolist()]
@@ -534,6 +530,61 @@ def _decode_batch(job: _Job, items: list[_Item], index: int, rank: int) -> list[
          **{k: v for k, v in score.items() if k != "id"}, "new_tokens": int(length), "batch": batch}
         for item, p, completion, score, length in zip(items, problems, completions, scores, lengths)
     ]
+
+
+# ------------------------------------------------------------------ models that cannot pad
+
+
+def group_by_length(index: Sequence[int], lengths: Sequence[int]) -> list[list[int]]:
+    """``index`` split into groups of equal ``lengths[i]``, in order of first appearance (order kept inside)."""
+    groups: dict[int, list[int]] = {}
+    for i in index:
+        groups.setdefault(lengths[i], []).append(i)
+    return list(groups.values())
+
+
+def padding_problem(model, rows: Sequence[Sequence[int]]) -> str | None:
+    """Why these prompts cannot be left padded for ``model``; None when it pads or all have one length."""
+    if accepts_attention_mask(model) or len({len(r) for r in rows}) < 2:
+        return None
+    return padding_refusal(model)
+
+
+def _say_unpadded(job: _Job) -> None:
+    problem = padding_problem(job.model, job.prompt_ids)
+    if problem is not None and int(os.environ.get("RANK", 0)) == 0:
+        print(f"dllm eval: {problem}: decoding each batch in groups of equal prompt length", file=sys.stderr)
+
+
+def _generate_batch(job: _Job, items: list[_Item], seed: int, device) -> tuple[torch.Tensor, Any]:
+    """One batch's answers [B, max_new_tokens] (in item order) and its GenerateOutput (stats summed over calls).
+
+    A model that pads gets the batch in one left-padded call. One that cannot gets one call per group of
+    equal prompt length, so no padding is needed. The first group starts with the batch's first item and uses
+    the batch's seed (a batch of equal lengths decodes exactly as with padding); each further group is seeded
+    from its own first item like a batch, so resumed and sharded runs replay the same noise. At T=0 every row
+    equals its padded result (generate is batch-invariant there); at T > 0 a row depends on its call's mates.
+    """
+    config, model = job.config, job.model
+    rows = [job.prompt_ids[i.problem] for i in items]
+    groups = ([list(range(len(items)))] if accepts_attention_mask(model) else
+              group_by_length(range(len(items)), [len(r) for r in rows]))
+    answers, outputs = [None] * len(items), []
+    for n, group in enumerate(groups):
+        input_ids, mask = left_pad([rows[i] for i in group], _pad_id(model), device)
+        group_seed = seed if n == 0 else batch_seed(config.seed, job.key(items[group[0]]))
+        generator = torch.Generator(device=device).manual_seed(group_seed)
+        with torch.inference_mode():  # samplers never need gradients; project models do not switch them off
+            out = dllm.generate(model, input_ids, sampler=config.sampler, max_new_tokens=config.max_new_tokens,
+                                temperature=config.temperature, generator=generator, attention_mask=mask,
+                                **job.options)
+        for i, answer in zip(group, out.sequences[:, input_ids.shape[1]:]):
+            answers[i] = answer
+        outputs.append(out)
+    if len(outputs) > 1:
+        outputs[0] = replace(outputs[0], stats=functools.reduce(operator.add, (o.stats for o in outputs)),
+                             exact=all(o.exact for o in outputs))
+    return torch.stack(answers), outputs[0]
 
 
 def _decode_all(job: _Job, todo: list[tuple[int, list[_Item]]], path: Path, rank: int) -> None:
@@ -563,6 +614,7 @@ def run(config: EvalConfig) -> dict | None:
     model = _load_model(config, model_name)
     options, resolved = _sampler_options(config, model)
     job = _make_job(config, model, task, options)
+    _say_unpadded(job)
     batches = _batches(job)
     ranks = _Ranks()
     try:

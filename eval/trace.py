@@ -62,7 +62,7 @@ class Round:
 
 
 def trace_rounds(events: Sequence[dict], *, prompt_length: int | None = None, row: int = 0,
-                 mask_token_id: int | None = None, eos_token_id: int | None = None) -> list[Round]:
+                 mask_token_id: int | None = None, eos_token_id: int | Sequence[int] | None = None) -> list[Round]:
     """The rounds of canvas row ``row``: answer positions from ``prompt_length`` on, classified."""
     mine = [(event, _index(event, row)) for event in events]
     mine = [(event, i) for event, i in mine if i is not None]
@@ -131,16 +131,18 @@ def _ar_round(x: list[int], start: int) -> Round:
     return Round("1 token", cells)
 
 
-def _ar_spec_rounds(mine, start: int, eos: int | None) -> list[Round]:
+def _ar_spec_rounds(mine, start: int, eos: int | Sequence[int] | None) -> list[Round]:
     """ar_spec: each row's length advances by the accepted drafts plus one correction or bonus."""
+    stops = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
     rounds, length = [], start
     for event, i in mine:
         x, drafts = event["x"][i].tolist(), event["drafts"][i].tolist()
         drafted, accepted = int(event["num_drafts"][i]), int(event["num_accepted"][i])
         emitted = min(accepted + 1, len(x) - length)
         new = x[length : length + emitted]
-        if eos is not None and eos in new:  # the row stopped: nothing after its EOS was kept
-            emitted = new.index(eos) + 1
+        stop = next((k for k, t in enumerate(new) if t in stops), None)
+        if stop is not None:  # the row stopped: nothing after its stop token was kept
+            emitted = stop + 1
         cells = [Cell(t, "done") for t in x[start:length]]
         cells += [Cell(t, "accepted" if k < accepted else "fixed") for k, t in enumerate(x[length : length + emitted])]
         if accepted < drafted and emitted > accepted:
@@ -156,22 +158,43 @@ def _ar_spec_rounds(mine, start: int, eos: int | None) -> list[Round]:
 # --------------------------------------------------------------------------------------------------------
 
 
+def drop_after_stop(rounds: list[Round], stop_token_ids: Sequence[int] | None) -> list[Round]:
+    """The rounds without the columns after the row's first stop token in its last round (fill, not answer)."""
+    stops = set(stop_token_ids or ())
+    final = rounds[-1].cells
+    stop = next((j for j, cell in enumerate(final) if cell.token in stops), None)
+    if stop is None:
+        return rounds
+    return [Round(r.summary, r.cells[: stop + 1]) for r in rounds]
+
+
+def check_trace_path(path: str | Path) -> Path:
+    """The trace's path, refused before decoding unless it ends in .html or .png."""
+    path = Path(path)
+    if path.suffix.lower() not in (".html", ".htm", ".png"):
+        raise ValueError(f"trace path must end in .html or .png, got {path.name!r}")
+    return path
+
+
 def render_trace(events: Sequence[dict], tokenizer, path: str | Path, *, prompt_length: int | None = None,
-                 row: int = 0, mask_token_id: int | None = None, title: str | None = None) -> Path:
+                 row: int = 0, mask_token_id: int | None = None, title: str | None = None,
+                 stop_token_ids: Sequence[int] | None = None) -> Path:
     """Write the trajectory of canvas row ``row`` to ``path``: ``.html`` (a table) or ``.png`` (a text grid).
 
     tokenizer: a Hugging Face tokenizer, a sequence of strings (token id -> text), a callable, or None
     (ids shown). ``prompt_length`` is inferred for diffusion and ``ar`` traces; ``mask_token_id`` and
-    the EOS id default to the tokenizer's.
+    the stop ids (``stop_token_ids``: the row ends at the first; later columns are dropped) default to
+    the tokenizer's mask and EOS ids.
     """
-    path = Path(path)
-    if path.suffix.lower() not in (".html", ".htm", ".png"):
-        raise ValueError(f"trace path must end in .html or .png, got {path.name!r}")
+    path = check_trace_path(path)
     mask_token_id = mask_token_id if mask_token_id is not None else getattr(tokenizer, "mask_token_id", None)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    stops = tuple(stop_token_ids) if stop_token_ids is not None else (() if eos is None else (eos,))
     rounds = trace_rounds(events, prompt_length=prompt_length, row=row, mask_token_id=mask_token_id,
-                          eos_token_id=getattr(tokenizer, "eos_token_id", None))
+                          eos_token_id=stops)
     title = title or f"{events[0]['sampler']} trajectory, row {row}"
-    prompt = _prompt_text(events, rounds, row, tokenizer, prompt_length)
+    prompt = _prompt_text(events, rounds, row, tokenizer, prompt_length)  # before columns are dropped
+    rounds = drop_after_stop(rounds, stops)
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix.lower() == ".png":
         _png(rounds, tokenizer, title, prompt, path)
@@ -258,7 +281,8 @@ def _png(rounds: list[Round], tokenizer, title: str, prompt: str, path: Path) ->
 
     width, height, meta = max(len(r.cells) for r in rounds), len(rounds), 4.0  # meta: columns of the summary
     top = 0.95  # inches above the grid for the title, the prompt and the legend
-    fig = plt.figure(figsize=(0.55 * (width + meta) + 0.3, 0.36 * height + top + 0.1))
+    legend_width = 9.0  # inches the one-line legend needs; a short answer must not cut it off
+    fig = plt.figure(figsize=(max(0.55 * (width + meta) + 0.3, legend_width), 0.36 * height + top + 0.1))
     inches = fig.get_figheight()
     ax = fig.add_axes((0.005, 0.1 / inches, 0.99, 1 - (top + 0.1) / inches))
     for n, r in enumerate(rounds):
@@ -270,7 +294,7 @@ def _png(rounds: list[Round], tokenizer, title: str, prompt: str, path: Path) ->
             if cell.note is not None:
                 ax.text(meta + j + 0.5, n + 0.84, "\u2717" + _piece(tokenizer, cell.note, 5), ha="center",
                         va="center", fontsize=6, color="#b00000", family="monospace", parse_math=False)
-    ax.set_xlim(0, meta + width)
+    ax.set_xlim(0, (fig.get_figwidth() - 0.3) / 0.55)  # cells keep their size when the legend widens the figure
     ax.set_ylim(height, 0)
     ax.axis("off")
     shown = prompt.replace("\n", "\u23ce")

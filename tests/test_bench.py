@@ -13,7 +13,8 @@ from dllm.eval import bench, cost_model
 from dllm.models.transformer import TransformerConfig, TransformerLM
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY_ROLES = ["--role", "ar=tiny", "--role", "diffusion=tiny", "--role", "drafter=tiny"]
+TINY_ROLES = ["--role", "ar=tiny", "--role", "diffusion=tiny-bidirectional", "--role", "diffusion=tiny+block4",
+              "--role", "drafter=tiny"]
 TINY_GRID = ["--cost-rows", "1,2", "--cost-tokens", "1,4", "--cost-contexts", "0,8", "--cost-layers", "1,2",
              "--cost-reps", "1", "--threads", "1"]
 EXACT_DIFFUSION = ["sequential", "sequential no-cache", "fef w2", "fef w4", "fef w8", "fef w4 no-cache",
@@ -116,7 +117,7 @@ def test_batches_sort_by_length_and_left_pad():
 
 def test_repeats_interleave_configurations_round_robin(monkeypatch):
     calls = []
-    monkeypatch.setattr(bench, "run_pass", lambda run, batches, settings, log=None: calls.append(
+    monkeypatch.setattr(bench, "run_pass", lambda run, batches, settings, log=None, on_batch=None: calls.append(
         (run.config.name, log is not None)) or (1.0, []))
     runs = [bench.Prepared(bench.parse_config(f"name={n};model=m;sampler=ar"), None, {}, 0.0) for n in "abc"]
     _, times = bench.time_study(runs, [], bench.Settings(repeats=3, warmup=2), progress=lambda _: None)
@@ -245,7 +246,8 @@ def test_cost_model_projects_a_study(study, tmp_path):
     projection = json.loads((tmp_path / "cost_model.json").read_text())["projection"]
     rows = {r["name"]: r for r in projection["runs"]}
     assert set(rows) == {r["name"] for r in results["runs"]} and rows["ar greedy"]["projected_speedup"] == 1.0
-    assert all(r["projected_s_per_token"] > 0 and 0 <= r["extrapolated_fraction"] <= 1 for r in rows.values())
+    valid = [r for r in projection["runs"] if r["valid"]]
+    assert all(r["projected_s_per_token"] > 0 and 0 <= r["extrapolated_fraction"] <= 1 for r in valid)
     assert rows["ar_spec drafter-ar k4"]["drafter_arch"] == "tiny"
     with pytest.raises(ValueError, match="--role"):
         cost_model.project(results, {}, {})
@@ -255,7 +257,8 @@ def test_cost_model_projects_a_study(study, tmp_path):
 def test_gpu_study_script_runs_small_on_cpu(tiny_models, tmp_path):
     env = {**os.environ, "SMALL": "1", "MODEL_AR": tiny_models["ar"], "MODEL_DIFFUSION": tiny_models["diffusion"],
            "MODEL_DRAFTER": tiny_models["drafter"], "NUM_PROMPTS": "2", "MAX_NEW_TOKENS": "4", "BATCH_SIZE": "2",
-           "REPEATS": "1", "THREADS": "1", "COST_ROLES": "ar=tiny,diffusion=tiny,drafter=tiny", "COST_ROWS": "1,2",
+           "REPEATS": "1", "THREADS": "1", "COST_ROLES": "ar=tiny,diffusion=tiny-bidirectional,diffusion=tiny+block4,"
+           "drafter=tiny", "COST_ROWS": "1,2",
            "COST_TOKENS": "1,4", "COST_CONTEXTS": "0,8", "COST_REPS": "1", "SELF_ROWS": "1,2", "SELF_TOKENS": "1,4",
            "SELF_CONTEXTS": "0,8"}
     done = subprocess.run(["bash", str(ROOT / "eval" / "gpu_study.sh"), str(tmp_path)], env=env, cwd=ROOT,
@@ -264,13 +267,14 @@ def test_gpu_study_script_runs_small_on_cpu(tiny_models, tmp_path):
     for name in ("results.json", "results.md", "pareto.png", "cost_model.json", "projection.png",
                  "selfcheck/cost_model.json"):
         assert (tmp_path / name).stat().st_size > 0, name
+    assert "| sequential | - | no | yes |" in (tmp_path / "cost_model.md").read_text()  # block-cached
 
 
 def test_interrupted_repeats_keep_what_every_configuration_finished(monkeypatch):
     """An interrupt in repeat 2 reports repeat 1 for everyone; one before any full repeat propagates."""
     passes = []
 
-    def run_pass(run, batches, settings, log=None):
+    def run_pass(run, batches, settings, log=None, on_batch=None):
         passes.append(run.config.name)
         if len(passes) == 3 + 3 + 2:  # recorded x3, repeat 1 x3, then the second pass of repeat 2
             raise KeyboardInterrupt

@@ -157,7 +157,7 @@ def test_attention_mask_validation():
         dllm.generate(model, PROMPTS, max_new_tokens=4, attention_mask=torch.tensor([[1, 0, 1, 1, 1]] * 3))
     with pytest.raises(ValueError, match="shaped like input_ids"):
         dllm.generate(model, PROMPTS, max_new_tokens=4, attention_mask=MASK[:2])
-    with pytest.raises(ValueError, match="does not accept attention_mask"):
+    with pytest.raises(ValueError, match="HMMOracle declares no accepts_attention_mask"):
         dllm.generate(dllm.HMMOracle.random(), torch.tensor([[0, 1]]), max_new_tokens=4,
                       attention_mask=torch.tensor([[0, 1]]))
 

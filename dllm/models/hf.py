@@ -23,6 +23,7 @@ from einops import rearrange
 from torch import Tensor
 from transformers import DynamicCache
 
+from dllm.protocols import padding_refusal
 from dllm.stops import fit_output
 
 # Chat templates end an assistant turn with one of these (LLaDA/Llama 3, Qwen/Dream, Gemma).
@@ -95,12 +96,10 @@ class _HFAdapter:
         return next(self.model.parameters()).dtype
 
     # Why padding cannot be honoured when accepts_attention_mask is False (subclasses say more).
-    _padding_note = "its forward takes no position_ids, so padding would shift every position"
+    padding_note = "its forward takes no position_ids, so padding would shift every position"
 
     def _refuse_padding(self) -> None:
-        raise ValueError(f"{type(self).__name__} cannot honour left padding for this checkpoint "
-                         f"(accepts_attention_mask is False): {self._padding_note}. Pass equal-length rows "
-                         "without padding, or one row per call.")
+        raise ValueError(f"{padding_refusal(self)}; pass equal-length rows without padding (or one row per call)")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({type(self.model).__name__}, vocab_size={self.vocab_size})"
@@ -181,7 +180,7 @@ class LLaDAAdapter(_DiffusionAdapter):
     """
 
     mask_token_names = ("<|mdm_mask|>",)
-    _padding_note = "its modeling_llada.py ignores attention_mask (code before the 2025-10-21 update)"
+    padding_note = "its modeling_llada.py ignores attention_mask (code before the 2025-10-21 update)"
 
     def __init__(self, model, tokenizer=None, mask_token_id: int | None = None):
         super().__init__(model, tokenizer, mask_token_id)
