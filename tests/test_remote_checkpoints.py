@@ -4,10 +4,9 @@ import json
 
 import pytest
 import torch
+from fixtures.hf.remote_checkpoints import make_dream_folder, make_llada_folder, reference_model
 from safetensors.torch import load_file
 from transformers import PreTrainedTokenizerFast
-
-from fixtures.hf.remote_checkpoints import make_dream_folder, make_llada_folder, reference_model
 
 MAKERS = {"llada": make_llada_folder, "dream": make_dream_folder}
 
