@@ -50,6 +50,14 @@ def _special_id(name: str, tokenizer, config) -> int | None:
     return _first_id(value if value is not None else getattr(config, f"{name}_token_id", None))
 
 
+def special_ids(config, tokenizer) -> tuple[int | None, int | None, tuple[int, ...]]:
+    """(eos, pad, stop ids) of a checkpoint: tokenizer first, then config; stops are EOS then end-of-turn tokens."""
+    eos, pad = _special_id("eos", tokenizer, config), _special_id("pad", tokenizer, config)
+    vocab = tokenizer.get_vocab() if tokenizer is not None else {}
+    stops = [eos, *(vocab.get(token) for token in END_OF_TURN_TOKENS)]
+    return eos, pad, tuple(dict.fromkeys(i for i in stops if i is not None))  # EOS first
+
+
 def fill_after_stop(sequences: Tensor, prompt_length: int, max_new_tokens: int, stop_ids, pad: int):
     """A generate() output cut or padded to [B, P + N], each row's tokens after its first stop token set to
     the first stop id (what ``ar`` leaves there) -> (sequences, generated tokens per row up to the stop [B])."""
@@ -97,11 +105,7 @@ class _HFAdapter:
         self.tokenizer = tokenizer
         self.config = model.config
         self.vocab_size = _output_size(model)
-        self.eos_token_id = _special_id("eos", tokenizer, model.config)
-        self.pad_token_id = _special_id("pad", tokenizer, model.config)
-        vocab = tokenizer.get_vocab() if tokenizer is not None else {}
-        stops = [self.eos_token_id, *(vocab.get(token) for token in END_OF_TURN_TOKENS)]
-        self.stop_token_ids = tuple(dict.fromkeys(i for i in stops if i is not None))  # EOS first
+        self.eos_token_id, self.pad_token_id, self.stop_token_ids = special_ids(model.config, tokenizer)
 
     @property
     def device(self) -> torch.device:

@@ -18,13 +18,15 @@ def load(name_or_path: str | os.PathLike, kind: str = "auto", device: str | torc
          dtype: torch.dtype | str | None = None, **kw: Any):
     """Load a checkpoint as a dllm model carrying ``.tokenizer`` (None when the checkpoint has none).
 
-    kind: "llada", "dream" (remote code via ``AutoModel``, trust_remote_code), "diffusion_gemma" (transformers'
+    kind: "llada", "dream" (native ``dllm.models.native.NativeLM``: the checkpoint's Python files never run;
+    ``trust_remote_code=True`` takes its remote code via ``AutoModel`` instead), "diffusion_gemma" (transformers'
     DiffusionGemmaForBlockDiffusion, see ``DiffusionGemmaAdapter``), "mlm" (``AutoModelForMaskedLM``),
     "causal" (``AutoModelForCausalLM``), "dllm" (this project's TransformerLM folder) or "auto" (read from
     config.json: model_type and architectures, or our ``layout`` key).
     device, dtype: where and in what precision to load; None keeps CPU and the checkpoint's dtype.
     kw: ``mask_token_id`` (override, diffusion kinds), ``tokenizer`` (a tokenizer, or a path to load one from),
-    ``trust_remote_code`` (default True for llada/dream only); the rest goes to ``from_pretrained`` (revision, ...).
+    ``device_map`` (native llada/dream: accelerate placement), ``trust_remote_code``; the rest goes to
+    ``from_pretrained`` (revision, ...).
     A local folder never reaches the network (local_files_only=True); a hub id goes to transformers as is.
     """
     if kind not in KINDS:
@@ -33,6 +35,11 @@ def load(name_or_path: str | os.PathLike, kind: str = "auto", device: str | torc
     local = _local_folder(name_or_path)
     config = _config_dict(name_or_path, local, kw)
     kind = _resolve_kind(kind, detect_kind(config), name_or_path, config)
+    if kind in ("llada", "dream") and not kw.get("trust_remote_code"):
+        from dllm.models.native import load_native  # no file of the checkpoint is imported or run
+
+        kw.pop("trust_remote_code", None)
+        return load_native(local or str(name_or_path), kind, device, dtype, **kw)
     if kind == "dllm":
         return _load_dllm(local, name_or_path, device, dtype, kw)
     return _load_hf(str(name_or_path), kind, local, device, dtype, kw)
