@@ -130,6 +130,26 @@ def test_bf16_checkpoint_stays_bf16(tmp_path, folders):
     assert (logits - full).isfinite().any() and (logits.softmax(-1) - full.softmax(-1)).abs().max() < 0.05
 
 
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_sharded_bf16_checkpoint_loads_shard_by_shard(tmp_path, folders, family):
+    """The hub's layout for big models: bf16 shards named by model.safetensors.index.json."""
+    folder = MAKERS[family](tmp_path / "sharded")
+    state = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    names = sorted(state)
+    weight_map = {}
+    for index, part in enumerate((names[::2], names[1::2])):
+        shard = f"model-{index + 1:05d}-of-00002.safetensors"
+        save_file({k: state[k].to(torch.bfloat16) for k in part}, folder / shard, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, shard))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    model = dllm.load(folder, device_map={"": "cpu"})
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    expected = dllm.load(folders(family), dtype=torch.bfloat16)
+    ids = torch.randint(0, 300, (2, 7), generator=torch.Generator().manual_seed(6))
+    torch.testing.assert_close(model(ids), expected(ids), atol=0, rtol=0)  # same bf16 weights, same logits
+
+
 def test_unsupported_config_values_are_refused(tmp_path):
     with pytest.raises(ValueError, match=r"config.json scale_logits=True is not supported.*kind='remote'"):
         llada_config({"block_type": "llama", "layer_norm_type": "rms", "activation_type": "silu", "rope": True,
