@@ -262,3 +262,13 @@ def test_shifted_structured_verifier_equals_copies_for_one_layer(layout):
                 assert torch.allclose(reference[at][keep], targets[r, c][keep], atol=1e-5), (r, c)
         keep = torch.isfinite(state)
         assert torch.allclose(state[keep], model(x, block_offset=offset)[keep], atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_cli_generate_on_a_hub_layout_folder(folders, family, capsys):
+    from dllm.cli import main
+
+    assert main(["generate", "the cat sat", "--model", str(folders(family)), "--max-new-tokens", "4",
+                 "--option", "block_length=2", "--temperature", "0", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["sampler"] == "fef" and out["exact"] is True and out["stats"]["nfe"] >= 1
