@@ -15,7 +15,6 @@ from dllm.models.loading import load as _load
 from dllm.protocols import is_causal_model, is_diffusion_model
 
 
-
 def load(path, **kw):
     """These tests exercise the remote-code adapters, so the stand-ins' own code runs (native: test_native_models)."""
     return _load(path, trust_remote_code=True, **kw)

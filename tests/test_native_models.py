@@ -272,3 +272,27 @@ def test_cli_generate_on_a_hub_layout_folder(folders, family, capsys):
                  "--option", "block_length=2", "--temperature", "0", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["sampler"] == "fef" and out["exact"] is True and out["stats"]["nfe"] >= 1
+
+
+def test_hub_ids_download_no_python(monkeypatch, folders):
+    """A hub id is fetched by snapshot_download with patterns that leave every .py behind (offline: faked)."""
+    import fnmatch
+
+    import huggingface_hub
+
+    calls = []
+
+    def fake_snapshot_download(repo_id, allow_patterns, ignore_patterns, **kw):
+        calls.append((repo_id, allow_patterns, ignore_patterns, kw))
+        return str(folders("llada"))
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    model = load_native("GSAI-ML/LLaDA-8B-Instruct", "llada", revision="main")
+    assert type(model) is NativeLM
+    assert calls[0][0] == "GSAI-ML/LLaDA-8B-Instruct" and calls[0][3] == {"revision": "main"}
+    _, allow, ignore, _ = calls[0]
+    fetched = [f for f in ("config.json", "model-00001-of-00006.safetensors", "model.safetensors.index.json",
+                           "tokenizer.json", "tokenizer_config.json", "modeling_llada.py", "configuration_llada.py")
+               if any(fnmatch.fnmatch(f, p) for p in allow) and not any(fnmatch.fnmatch(f, p) for p in ignore)]
+    assert fetched == ["config.json", "model-00001-of-00006.safetensors", "model.safetensors.index.json",
+                       "tokenizer.json", "tokenizer_config.json"]
