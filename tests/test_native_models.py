@@ -296,3 +296,44 @@ def test_hub_ids_download_no_python(monkeypatch, folders):
                if any(fnmatch.fnmatch(f, p) for p in allow) and not any(fnmatch.fnmatch(f, p) for p in ignore)]
     assert fetched == ["config.json", "model-00001-of-00006.safetensors", "model.safetensors.index.json",
                        "tokenizer.json", "tokenizer_config.json"]
+
+
+def test_dream_bpe_files_without_tokenizer_json(tmp_path):
+    """Dream's hub tokenizer is its tokenization_dream.py over vocab.json + merges.txt; transformers' Qwen2
+    tokenizer reads those files to the same ids as that code (run here, test-only), which never runs in load."""
+    import importlib.util
+
+    from fixtures.hf.remote_checkpoints import REMOTE_CODE
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    folder = make_dream_folder(tmp_path / "bpe")
+    (folder / "tokenizer.json").unlink()
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=280, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(["the cat sat on the mat", "a dog ran to the big red mat", "Hello world, 1 2 3!"] * 9,
+                            trainer)
+    bpe.model.save(str(folder))
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]  # ids 280..283
+    added = {str(280 + i): {"content": t, "special": True, "normalized": False, "lstrip": False, "rstrip": False,
+                            "single_word": False} for i, t in enumerate(specials)}
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "DreamTokenizer", "auto_map": {"AutoTokenizer": ["tokenization_dream.DreamTokenizer", None]},
+        "added_tokens_decoder": added, "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
+        "mask_token": "<|mask|>", "bos_token": None, "unk_token": None, "errors": "replace"}))
+    config = json.loads((folder / "config.json").read_text())
+    config.update(mask_token_id=283, eos_token_id=280, pad_token_id=280, bos_token_id=280)
+    (folder / "config.json").write_text(json.dumps(config))
+    spec = importlib.util.spec_from_file_location("_dream_tokenizer_reference", REMOTE_CODE / "dream" /
+                                                  "tokenization_dream.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    reference = module.DreamTokenizer.from_pretrained(str(folder))
+    marker = tmp_path / "ran"
+    (folder / "tokenization_dream.py").write_text(f"open({str(marker)!r}, 'w').write('x')\n")
+    model = dllm.load(folder)
+    assert not marker.exists()
+    assert (model.mask_token_id, model.eos_token_id, model.stop_token_ids) == (283, 280, (280, 282))
+    for text in ("the cat sat", " Hello world, 1 2 3!<|im_end|>", "<|im_start|>user dog<|im_end|>\n<|mask|>",
+                 "  two  spaces\n\nnew", "naïve café"):
+        assert model.tokenizer(text)["input_ids"] == reference(text)["input_ids"], text

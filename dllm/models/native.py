@@ -173,12 +173,15 @@ class _Family:
     top: dict[str, str]
     ignored: str  # regex of hub tensors that are computed, not loaded (rotary tables)
     adapter: type
+    bpe_tokenizer: str | None = None  # transformers' class for vocab.json + merges.txt when there is no tokenizer.json
 
 
 _FAMILIES = {
     "llada": _Family(llada_config, "model.transformer.blocks.", LLADA_LAYER, LLADA_TOP, r"$^", LLaDAAdapter),
+    # Dream's hub tokenizer is its own tokenization_dream.py, Qwen2's byte-level BPE with Qwen2's pre-tokenizer
+    # regex: transformers' Qwen2Tokenizer reads the same vocab.json/merges.txt without running that file.
     "dream": _Family(dream_config, "model.layers.", DREAM_LAYER, DREAM_TOP, r"(^|\.)rotary_emb\.inv_freq$",
-                     DreamAdapter),
+                     DreamAdapter, "Qwen2Tokenizer"),
 }
 
 
@@ -228,9 +231,9 @@ def load_native(name_or_path: str | os.PathLike, family: str, device=None, dtype
         device, device_map = None, "auto"
     folder = _folder(name_or_path, kw)
     hub = json.loads((folder / "config.json").read_text())
-    tokenizer = _tokenizer(kw.get("tokenizer"), folder)
-    namespace = types.SimpleNamespace(**hub)  # the attribute view the adapters' id helpers read
     spec = _FAMILIES[family]
+    tokenizer = _tokenizer(kw.get("tokenizer"), folder, spec.bpe_tokenizer)
+    namespace = types.SimpleNamespace(**hub)  # the attribute view the adapters' id helpers read
     mask_token_id = kw.get("mask_token_id")
     if mask_token_id is None:
         mask_token_id = find_mask_token_id(namespace, tokenizer, spec.adapter.mask_token_names)
@@ -262,14 +265,18 @@ def _folder(name_or_path, kw: dict) -> Path:
     return Path(snapshot_download(str(name_or_path), allow_patterns=HUB_PATTERNS, ignore_patterns=["*.py"], **hub))
 
 
-def _tokenizer(given, folder: Path):
-    """``given`` if it is a tokenizer; else the fast tokenizer of ``given`` or the folder (tokenizer.json, no
-    remote code); None when there is no tokenizer.json."""
+def _tokenizer(given, folder: Path, bpe_class: str | None):
+    """``given`` if it is a tokenizer; else the fast tokenizer of ``given`` or the folder (tokenizer.json, or
+    vocab.json + merges.txt read by ``bpe_class``; no remote code); None when it has neither."""
     if given is not None and not isinstance(given, str | os.PathLike):
         return given
     source = Path(given) if given is not None else folder
     if source.is_dir() and not (source / "tokenizer.json").is_file():
-        return None
+        if bpe_class is None or not all((source / f).is_file() for f in ("vocab.json", "merges.txt")):
+            return None
+        import transformers
+
+        return getattr(transformers, bpe_class).from_pretrained(str(source), local_files_only=True)
     from transformers import PreTrainedTokenizerFast
 
     if source.is_file():
