@@ -57,6 +57,23 @@ def test_native_logits_equal_the_real_code(folders, family):
     _assert_close(model(ids), _reference_logits(family, reference, ids), model.mask_token_id)
 
 
+@pytest.mark.parametrize("family,overrides", [
+    ("llada", {"weight_tying": True}), ("llada", {"include_qkv_bias": True, "n_kv_heads": 2}),
+    ("llada", {"embedding_size": 384, "mlp_hidden_size": None, "mlp_ratio": 3}),
+    # (a tied Dream cannot be built: its code's list-valued _tied_weights_keys breaks transformers 5's post_init)
+    ("dream", {"num_key_value_heads": 4, "rope_theta": 10000.0, "rms_norm_eps": 1e-5}),
+])
+def test_config_variants_equal_the_real_code(tmp_path, family, overrides):
+    """Weight tying, q/k/v biases, grouped-query attention, a padded embedding, other theta: same logits."""
+    folder = MAKERS[family](tmp_path / "variant", **overrides)
+    model, reference = dllm.load(folder), reference_model(folder)
+    ids = torch.randint(0, 300, (2, 11), generator=torch.Generator().manual_seed(7))
+    _assert_close(model(ids), _reference_logits(family, reference, ids), model.mask_token_id)
+    if overrides.get("weight_tying"):
+        assert model.output.weight is model.tok_embeddings.weight
+    assert model.vocab_size == overrides.get("embedding_size", 320)
+
+
 @pytest.mark.parametrize("family", ["llada", "dream"])
 def test_left_padding_gives_the_rows_own_logits(folders, family):
     """Real positions of a left-padded row score what the real code scores on the row alone (and, for Dream,

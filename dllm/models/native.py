@@ -247,6 +247,8 @@ def load_native(name_or_path: str | os.PathLike, family: str, device=None, dtype
 
     with init_empty_weights():
         model = NativeLM(config, family)
+    if config.tie_embeddings:  # accelerate re-wraps each parameter inside init_empty_weights, which unties them
+        model.output.weight = model.tok_embeddings.weight
     load_checkpoint(model, folder, weight_renamer(family, config), dtype=dtype, device=device,
                     device_map=device_map)
     model.requires_grad_(False).eval()
