@@ -379,8 +379,11 @@ def _shift_queries(tokens, pos, structure, positions, count, bonus, length: int,
 def _previous_states(h: Tensor, positions: Tensor, valid: Tensor, cache: KVCache | None) -> Tensor:
     """Each input's state replaced by that of the valid token one position before it, cached or new (its own
     when there is none: position 0 keeps raw[:, 0], as Dream's shift does).  # h [B, L, dim] -> [B, L, dim]"""
+    cached = cache is not None and bool(cache.length)
+    if not cached and bool(valid.all()) and bool((positions[:, 1:] - positions[:, :-1] == 1).all()):
+        return torch.cat((h[:, :1], h[:, :-1]), dim=1)  # the common unpadded call: a plain shift, no [B, L, L] match
     key_h, key_pos, key_valid, past = h, positions, valid, 0
-    if cache is not None and cache.length:
+    if cached:
         if cache.hidden is None:
             raise ValueError("a shift_logits model needs a cache filled by itself (its hidden states are missing)")
         past = cache.length
