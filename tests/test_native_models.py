@@ -354,3 +354,9 @@ def test_dream_bpe_files_without_tokenizer_json(tmp_path):
     for text in ("the cat sat", " Hello world, 1 2 3!<|im_end|>", "<|im_start|>user dog<|im_end|>\n<|mask|>",
                  "  two  spaces\n\nnew", "naïve café"):
         assert model.tokenizer(text)["input_ids"] == reference(text)["input_ids"], text
+
+
+def test_native_sampler_points_to_the_remote_code(folders):
+    """sampler='native' is Dream's own diffusion_generate, i.e. its hub code: the native model says where it is."""
+    with pytest.raises(TypeError, match=r"NativeLM has none .*trust_remote_code=True"):
+        dllm.generate(dllm.load(folders("dream")), PROMPTS[:1], sampler="native", max_new_tokens=4)
