@@ -23,6 +23,8 @@ from einops import rearrange
 from torch import Tensor
 from transformers import DynamicCache
 
+from dllm.models.remote import guard
+
 # Chat templates end an assistant turn with one of these (LLaDA/Llama 3, Qwen/Dream, Gemma).
 END_OF_TURN_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|end_of_turn|>", "<end_of_turn>")
 
@@ -257,7 +259,8 @@ class DreamAdapter(_DiffusionAdapter):
         mask = torch.ones_like(prompt) if attention_mask is None else attention_mask
         hook = count_calls(self.model, stats)
         try:
-            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            with guard(type(self.model).__name__, "dream", "sampling from"), \
+                    torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 torch.manual_seed(draw_seed(generator))
                 out = self.model.diffusion_generate(prompt.to(device), attention_mask=mask.to(device),
                                                     max_new_tokens=max_new_tokens, temperature=float(temperature),
