@@ -107,6 +107,7 @@ def test_special_ids_and_tokenizer(folders, family):
     end_of_turn = {"llada": "<|eot_id|>", "dream": "<|im_end|>"}[family]
     assert model.stop_token_ids == (model.eos_token_id, model.tokenizer.convert_tokens_to_ids(end_of_turn))
     assert model.accepts_attention_mask and model.cache_exact is False
+    assert end_of_turn in dllm.apply_chat_template(model.tokenizer, "the cat")  # the folder's chat template
     assert model.tokenizer("the cat sat")["input_ids"] == [model.tokenizer.convert_tokens_to_ids(w)
                                                            for w in ("the", "cat", "sat")]
 
