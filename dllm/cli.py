@@ -40,7 +40,7 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", nargs="?", default="Tom has 3 bags with 4 apples each. How many apples does Tom have?")
     p.add_argument("--model", help="a folder or hub id for dllm.load (default: the shipped model for the sampler)")
     p.add_argument("--kind", default="auto",
-                   help="dllm.load kind: auto, llada, dream, diffusion_gemma, mlm, causal, dllm")
+                   help="dllm.load kind: auto, llada, dream, diffusion_gemma, mlm, causal, dllm, remote")
     p.add_argument("--sampler", default="fef")
     p.add_argument("--drafter", help="ar_spec drafter: 'ngram' or a model folder (default with the shipped AR "
                    "model: the shipped diffusion model, 8 drafts per round; the shipped causal drafter is "

@@ -50,7 +50,8 @@ def ragged(model) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("name", sorted(DIFFUSION_RECIPES))
 def test_every_diffusion_sampler_with_ragged_prompts(folder, name):
-    model = load(folder(name))
+    # the llada/dream stand-ins are remote code (native models: test_native_models.py)
+    model = load(folder(name), **({"trust_remote_code": True} if name in ("llada", "dream") else {}))
     ids, mask = ragged(model)
     block = getattr(model, "block_size", None) or 2
     for sampler, options in DIFFUSION_RUNS:

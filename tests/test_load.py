@@ -24,6 +24,13 @@ RECIPES = {  # name: (builder, kind, adapter class)
 }
 
 
+REMOTE = {"llada", "dream"}  # the stand-ins are remote-code checkpoints: loaded with trust_remote_code=True
+
+
+def remote(name: str) -> dict:
+    return {"trust_remote_code": True} if name in REMOTE else {}
+
+
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     """Build each checkpoint once per module, on first use."""
@@ -40,7 +47,7 @@ def folders(tmp_path_factory):
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_auto_and_explicit_kind_load_the_same_adapter(folders, name):
     _, kind, adapter_class = RECIPES[name]
-    auto, explicit = load(folders(name)), load(str(folders(name)), kind=kind)
+    auto, explicit = load(folders(name), **remote(name)), load(str(folders(name)), kind=kind, **remote(name))
     for model in (auto, explicit):
         assert type(model) is adapter_class and model.tokenizer is not None
         assert model.vocab_size >= len(model.tokenizer)
@@ -54,7 +61,7 @@ DIFFUSION = ["llada", "dream", "bert", "modernbert", "dllm"]
 @pytest.mark.parametrize("name", DIFFUSION)
 @pytest.mark.parametrize("sampler, options", [("fef", {"window": 2}), ("llada", {"steps": 2})])
 def test_generate_with_diffusion_kinds(folders, name, sampler, options):
-    model = load(folders(name))
+    model = load(folders(name), **remote(name))
     text = "Tom has 3" if name == "dllm" else "the cat sat"  # words each tokenizer knows
     prompt = torch.tensor(model.tokenizer(text)["input_ids"])[None]
     out = dllm.generate(model, prompt, sampler=sampler, max_new_tokens=4, temperature=1.0,
@@ -121,7 +128,7 @@ def test_wrong_kind_is_refused(folders):
 
 
 def test_unknown_kind_is_refused(folders):
-    kinds = r"\['auto', 'llada', 'dream', 'diffusion_gemma', 'mlm', 'causal', 'dllm'\]"
+    kinds = r"\['auto', 'llada', 'dream', 'diffusion_gemma', 'mlm', 'causal', 'dllm', 'remote'\]"
     with pytest.raises(ValueError, match=f"kind must be one of {kinds}"):
         load(folders("llama"), kind="gpt")
 
@@ -129,8 +136,8 @@ def test_unknown_kind_is_refused(folders):
 def test_missing_mask_token_is_refused(tmp_path):
     folder = builders.save_llada(tmp_path / "no_mask", mask_in_config=False)
     with pytest.raises(ValueError, match="needs a mask token.*pass mask_token_id="):
-        load(folder)
-    assert load(folder, mask_token_id=builders.VOCAB - 1).mask_token_id == builders.VOCAB - 1
+        load(folder, trust_remote_code=True)
+    assert load(folder, mask_token_id=builders.VOCAB - 1, trust_remote_code=True).mask_token_id == builders.VOCAB - 1
 
 
 def test_undetectable_config_needs_an_explicit_kind(tmp_path):

@@ -18,6 +18,8 @@ class KVCache:
     keys[i], values[i]: [B, H_kv, P, D], rotary already applied to the keys.
     positions: [B, P] rotary positions of the cached tokens.
     valid: [B, P] False for padding and for entries rolled back by a ragged ``crop``; never attended.
+    hidden: [B, P, dim] last-layer states of the cached tokens, or None; kept only for models whose logits
+    at position p read the state at p - 1 (Dream's shift), so a call starting after the cache can score p.
     ``append`` and ``crop`` change the cache in place; ``expand`` and ``select`` return a new cache.
     """
 
@@ -27,11 +29,13 @@ class KVCache:
         values: list[Tensor] | None = None,
         positions: Tensor | None = None,
         valid: Tensor | None = None,
+        hidden: Tensor | None = None,
     ):
         self.keys = keys or []
         self.values = values or []
         self.positions = positions  # [B, P]
         self.valid = valid  # [B, P]
+        self.hidden = hidden  # [B, P, dim] or None
 
     @property
     def length(self) -> int:
@@ -52,12 +56,14 @@ class KVCache:
         last = self.positions.masked_fill(~self.valid, -1).amax(dim=1)
         return last + 1
 
-    def append(self, kv: list[tuple[Tensor, Tensor]], positions: Tensor, valid: Tensor) -> None:
-        """Add new tokens' keys/values (one (k, v) per layer, [B, H_kv, L, D]) with positions/valid [B, L]."""
+    def append(self, kv: list[tuple[Tensor, Tensor]], positions: Tensor, valid: Tensor,
+               hidden: Tensor | None = None) -> None:
+        """Add new tokens' keys/values (one (k, v) per layer, [B, H_kv, L, D]) with positions/valid [B, L]
+        and, for shifted models, their last-layer states [B, L, dim]."""
         if self.length == 0:
             self.keys = [k for k, _ in kv]
             self.values = [v for _, v in kv]
-            self.positions, self.valid = positions, valid.bool()
+            self.positions, self.valid, self.hidden = positions, valid.bool(), hidden
             return
         if positions.shape[0] != self.batch_size:
             raise ValueError(f"cache holds {self.batch_size} rows but {positions.shape[0]} were appended")
@@ -65,6 +71,10 @@ class KVCache:
         self.values = [torch.cat((old, new), dim=2) for old, (_, new) in zip(self.values, kv, strict=True)]
         self.positions = torch.cat((self.positions, positions), dim=1)
         self.valid = torch.cat((self.valid, valid.bool()), dim=1)
+        if (self.hidden is None) != (hidden is None):
+            raise ValueError("append: hidden states must be given for every append or for none")
+        if hidden is not None:
+            self.hidden = torch.cat((self.hidden, hidden), dim=1)
 
     def crop(self, length: int | Tensor) -> None:
         """Roll back to the first ``length`` entries: an int for all rows, or a LongTensor [B] per row.
@@ -86,11 +96,13 @@ class KVCache:
     def _slice(self, length: int) -> None:
         """Keep the first ``length`` entries of every tensor (views, no copy)."""
         if length == 0:
-            self.keys, self.values, self.positions, self.valid = [], [], None, None
+            self.keys, self.values, self.positions, self.valid, self.hidden = [], [], None, None, None
             return
         self.keys = [k[:, :, :length] for k in self.keys]
         self.values = [v[:, :, :length] for v in self.values]
         self.positions, self.valid = self.positions[:, :length], self.valid[:, :length]
+        if self.hidden is not None:
+            self.hidden = self.hidden[:, :length]
 
     def drop(self, start: int, end: int) -> KVCache:
         """A cache without entries [start, end) (e.g. the active block, for Fast-dLLM's dual cache)."""
@@ -98,7 +110,8 @@ class KVCache:
             return torch.cat((x.narrow(dim, 0, start), x.narrow(dim, end, x.shape[dim] - end)), dim=dim)
 
         keys, values = [cut(k, 2) for k in self.keys], [cut(v, 2) for v in self.values]
-        return KVCache(keys, values, cut(self.positions, 1), cut(self.valid, 1))
+        hidden = None if self.hidden is None else cut(self.hidden, 1)
+        return KVCache(keys, values, cut(self.positions, 1), cut(self.valid, 1), hidden)
 
     def expand(self, n: int) -> KVCache:
         """Each row repeated n times, copies adjacent: row b becomes rows b*n .. b*n+n-1.  # [B*n, ...]
@@ -115,11 +128,13 @@ class KVCache:
             return repeat(x, "b ... -> (b n) ...", n=n)
 
         keys, values = [grow(k) for k in self.keys], [grow(v) for v in self.values]
-        return KVCache(keys, values, grow(self.positions), grow(self.valid))
+        hidden = None if self.hidden is None else grow(self.hidden)
+        return KVCache(keys, values, grow(self.positions), grow(self.valid), hidden)
 
     def select(self, rows: Tensor) -> KVCache:
         """A cache of the given rows only (e.g. to drop finished rows).  # rows: LongTensor [B']"""
         if self.length == 0:
             return KVCache()
         keys, values = [k[rows] for k in self.keys], [v[rows] for v in self.values]
-        return KVCache(keys, values, self.positions[rows], self.valid[rows])
+        hidden = None if self.hidden is None else self.hidden[rows]
+        return KVCache(keys, values, self.positions[rows], self.valid[rows], hidden)

@@ -23,6 +23,7 @@ from einops import rearrange
 from torch import Tensor
 from transformers import DynamicCache
 
+from dllm.models.remote import guard
 from dllm.protocols import padding_refusal
 from dllm.stops import fit_output
 
@@ -53,6 +54,14 @@ def _special_id(name: str, tokenizer, config) -> int | None:
     return _first_id(value if value is not None else getattr(config, f"{name}_token_id", None))
 
 
+def special_ids(config, tokenizer) -> tuple[int | None, int | None, tuple[int, ...]]:
+    """(eos, pad, stop ids) of a checkpoint: tokenizer first, then config; stops are EOS then end-of-turn tokens."""
+    eos, pad = _special_id("eos", tokenizer, config), _special_id("pad", tokenizer, config)
+    vocab = tokenizer.get_vocab() if tokenizer is not None else {}
+    stops = [eos, *(vocab.get(token) for token in END_OF_TURN_TOKENS)]
+    return eos, pad, tuple(dict.fromkeys(i for i in stops if i is not None))  # EOS first
+
+
 def _output_size(model) -> int:
     """The logits' last dim: rows of the output layer, else ``config.vocab_size``."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -81,11 +90,7 @@ class _HFAdapter:
         self.tokenizer = tokenizer
         self.config = model.config
         self.vocab_size = _output_size(model)
-        self.eos_token_id = _special_id("eos", tokenizer, model.config)
-        self.pad_token_id = _special_id("pad", tokenizer, model.config)
-        vocab = tokenizer.get_vocab() if tokenizer is not None else {}
-        stops = [self.eos_token_id, *(vocab.get(token) for token in END_OF_TURN_TOKENS)]
-        self.stop_token_ids = tuple(dict.fromkeys(i for i in stops if i is not None))  # EOS first
+        self.eos_token_id, self.pad_token_id, self.stop_token_ids = special_ids(model.config, tokenizer)
 
     @property
     def device(self) -> torch.device:
@@ -235,7 +240,8 @@ class DreamAdapter(_DiffusionAdapter):
         mask = torch.ones_like(prompt) if attention_mask is None else attention_mask
         hook = count_calls(self.model, stats)
         try:
-            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            with guard(type(self.model).__name__, "dream", "sampling from"), \
+                    torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 torch.manual_seed(draw_seed(generator))
                 out = self.model.diffusion_generate(prompt.to(device), attention_mask=mask.to(device),
                                                     max_new_tokens=max_new_tokens, temperature=float(temperature),

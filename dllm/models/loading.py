@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-KINDS = ("auto", "llada", "dream", "diffusion_gemma", "mlm", "causal", "dllm")
+KINDS = ("auto", "llada", "dream", "diffusion_gemma", "mlm", "causal", "dllm", "remote")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt", "vocab.json")
 _HUB_KEYS = ("revision", "token", "cache_dir", "local_files_only")  # what reading a hub config.json may need
 
@@ -18,13 +18,17 @@ def load(name_or_path: str | os.PathLike, kind: str = "auto", device: str | torc
          dtype: torch.dtype | str | None = None, **kw: Any):
     """Load a checkpoint as a dllm model carrying ``.tokenizer`` (None when the checkpoint has none).
 
-    kind: "llada", "dream" (remote code via ``AutoModel``, trust_remote_code), "diffusion_gemma" (transformers'
+    kind: "llada", "dream" (native ``dllm.models.native.NativeLM``: the checkpoint's Python files never run;
+    ``trust_remote_code=True`` takes kind "remote" instead), "diffusion_gemma" (transformers'
     DiffusionGemmaForBlockDiffusion, see ``DiffusionGemmaAdapter``), "mlm" (``AutoModelForMaskedLM``),
-    "causal" (``AutoModelForCausalLM``), "dllm" (this project's TransformerLM folder) or "auto" (read from
-    config.json: model_type and architectures, or our ``layout`` key).
+    "causal" (``AutoModelForCausalLM``), "dllm" (this project's TransformerLM folder), "remote" (a LLaDA or
+    Dream checkpoint through its own hub code, guarded: see ``dllm.models.remote``; also what
+    ``trust_remote_code=True`` asks for on those families) or "auto" (read from config.json: model_type and
+    architectures, or our ``layout`` key).
     device, dtype: where and in what precision to load; None keeps CPU and the checkpoint's dtype.
     kw: ``mask_token_id`` (override, diffusion kinds), ``tokenizer`` (a tokenizer, or a path to load one from),
-    ``trust_remote_code`` (default True for llada/dream only); the rest goes to ``from_pretrained`` (revision, ...).
+    ``device_map`` (native llada/dream: accelerate placement), ``trust_remote_code``; the rest goes to
+    ``from_pretrained`` (revision, ...).
     A local folder never reaches the network (local_files_only=True); a hub id goes to transformers as is.
     """
     if kind not in KINDS:
@@ -32,7 +36,14 @@ def load(name_or_path: str | os.PathLike, kind: str = "auto", device: str | torc
     dtype = _check_dtype(dtype)
     local = _local_folder(name_or_path)
     config = _config_dict(name_or_path, local, kw)
-    kind = _resolve_kind(kind, detect_kind(config), name_or_path, config)
+    kind = _resolve_kind(kind, detect_kind(config), name_or_path, config, kw)
+    if kind == "remote":
+        return _load_remote(str(name_or_path), detect_kind(config), local, device, dtype, kw)
+    if kind in ("llada", "dream"):
+        from dllm.models.native import load_native  # no file of the checkpoint is imported or run
+
+        kw.pop("trust_remote_code", None)  # False here: True chose kind "remote" above
+        return load_native(local or str(name_or_path), kind, device, dtype, **kw)
     if kind == "dllm":
         return _load_dllm(local, name_or_path, device, dtype, kw)
     return _load_hf(str(name_or_path), kind, local, device, dtype, kw)
@@ -68,10 +79,21 @@ def _kind_from_model_type(model_type: str) -> str | None:
     return "mlm" if masked and not causal else "causal" if causal and not masked else None
 
 
-def _resolve_kind(kind: str, detected: str | None, name, config: dict) -> str:
-    """The kind to load: the detected one for "auto"; an explicit one must not contradict the config."""
+def _resolve_kind(kind: str, detected: str | None, name, config: dict, kw: dict) -> str:
+    """The kind to load: the detected one for "auto"; an explicit one must not contradict the config;
+    "remote" for kind="remote", or trust_remote_code=True on a LLaDA / Dream checkpoint."""
+    from dllm.models.remote import FAMILIES
+
     what = f"model_type={config.get('model_type')!r}, architectures={config.get('architectures')}"
     allowed = [k for k in KINDS if k != "auto"]
+    if kind == "remote":
+        if detected not in FAMILIES:
+            raise ValueError(f"kind='remote' loads LLaDA or Dream hub code, but {name} is neither ({what}); "
+                             f"for other remote code pass kind= one of {[k for k in allowed if k != 'remote']} "
+                             f"with trust_remote_code=True")
+        return kind
+    if kw.get("trust_remote_code") is True and detected in FAMILIES and kind in ("auto", detected):
+        return "remote"
     if kind == "auto":
         if detected is None:
             raise ValueError(f"kind='auto' cannot tell what {name} is from its config.json ({what}); "
@@ -163,6 +185,18 @@ def _load_hf(name: str, kind: str, local: Path | None, device, dtype, kw: dict):
     if kind == "causal":
         return adapter(model, tokenizer)
     return adapter(model, tokenizer, mask_token_id)
+
+
+def _load_remote(name: str, family: str, local: Path | None, device, dtype, kw: dict):
+    """A LLaDA / Dream checkpoint through its own code: known transformers-5 failures become one clear
+    RemoteCodeError, and a model whose rotary tables are not their formula is refused, not returned."""
+    from dllm.models.remote import check_rotary, guard
+
+    kw["trust_remote_code"] = True
+    with guard(name, family):
+        adapter = _load_hf(name, family, local, device, dtype, kw)
+    check_rotary(adapter.model, adapter.model.config, name)
+    return adapter
 
 
 def _diffusion_gemma_class():

@@ -66,6 +66,8 @@ class TransformerConfig:
     pad_token_id: int | None = None
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
+    qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2-style checkpoints such as Dream)
+    shift_logits: bool = False  # logits at position p read the last-layer state at p - 1 (Dream's AR init)
 
     def __post_init__(self):
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len"):
@@ -81,8 +83,11 @@ class TransformerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
                 raise ValueError(f"{name} must be a positive number, got {value!r}")
-        if not isinstance(self.tie_embeddings, bool):
-            raise ValueError(f"tie_embeddings must be a bool, got {self.tie_embeddings!r}")
+        for name in ("tie_embeddings", "qkv_bias", "shift_logits"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.shift_logits and self.layout == "causal":
+            raise ValueError("shift_logits is for diffusion layouts; a causal layout already scores the next token")
 
     def _check_heads(self) -> None:
         """Head counts divide evenly and leave an even head_dim (rotary rotates pairs)."""
@@ -169,6 +174,10 @@ class _Rotary(nn.Module):
         self.head_dim, self.max_seq_len, self.theta = head_dim, max_seq_len, theta
         self._build(device=None)
 
+    def init_buffers(self, device: torch.device | None) -> None:
+        """Compute the tables on ``device`` (they are never stored in a checkpoint)."""
+        self._build(device)
+
     def _build(self, device: torch.device | None) -> None:
         """(Re)compute the tables in float64 then store float32 (angles at large positions need the bits)."""
         exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float64, device=device) / self.head_dim
@@ -209,7 +218,7 @@ class _Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
         kv_dim = self.n_kv_heads * self.head_dim
-        self.wqkv = nn.Linear(config.dim, config.dim + 2 * kv_dim, bias=False)  # one matmul for q, k, v
+        self.wqkv = nn.Linear(config.dim, config.dim + 2 * kv_dim, bias=config.qkv_bias)  # one matmul for q, k, v
         self.wo = nn.Linear(config.dim, config.dim, bias=False)
 
     def forward(
@@ -330,6 +339,65 @@ def _structured_mask(positions: Tensor, count: Tensor, bonus: Tensor, length: in
     return torch.cat(rows, dim=1)
 
 
+def _shift_queries(tokens, pos, structure, positions, count, bonus, length: int, cached: bool):
+    """``structured_verify``'s queries for a ``shift_logits`` model: the query scoring position s reads the
+    state at s - 1, so it becomes the token copy j holds at s - 1 (a draft d_i with i < j, else the state's
+    token), at that position, seeing what copy j sees except the key it replaces.
+    -> (tokens [R, Lq], pos [R, Lq], structure [R, Lq, Lq])"""
+    n, width = positions.shape
+    device = positions.device
+    targets = torch.cat([positions, bonus.clamp(min=0)[:, None]], dim=1)  # [R, W + 1] scored indices
+    prev = targets - 1
+    if cached and bool((prev < 0).any()):
+        raise ValueError("structured_verify with a cache: a shifted model needs window positions after the first "
+                         "input (the state at s - 1 would be in the cache)")
+    has_prev = (prev >= 0)[:, :, None]  # at index 0 the state scores itself, as in forward
+    prev = prev.clamp(min=0)
+    q = torch.arange(width + 1, device=device)
+    i = torch.arange(width, device=device)
+    live = i[None, :] < count[:, None]  # [R, W]
+    seen = (i[None, :] < q[:, None])[None] & live[:, None, :]  # [R, W + 1, W]: query q sees drafts i < q
+    at_prev = seen & (positions[:, None, :] == prev[:, :, None])  # the draft copy q holds at s - 1
+    drafts = tokens[:, length : length + width]
+    token = torch.where(at_prev.any(-1), drafts.gather(1, at_prev.long().argmax(-1)), tokens.gather(1, prev))
+    query = slice(length + width, length + 2 * width + 1)
+    tokens, pos, structure = tokens.clone(), pos.clone(), structure.clone()
+    tokens[:, query] = torch.where(has_prev[..., 0], token, tokens[:, query])
+    pos[:, query] = torch.where(has_prev[..., 0], pos[:, :length].gather(1, prev), pos[:, query])
+    k = torch.arange(length, device=device)
+    match = (positions[:, :, None] == k) & live[:, :, None]  # [R, W, L]
+    slot = torch.where(match.any(dim=1), match.long().argmax(dim=1), width + 1)  # [R, L], as _structured_mask
+    to_state = (slot[:, None, :] >= q[None, :, None]) & (k[None, None, :] != prev[:, :, None])
+    to_draft = seen & ~at_prev
+    rows = structure[:, query]
+    rows[:, :, :length] = torch.where(has_prev, to_state, rows[:, :, :length])
+    rows[:, :, length : length + width] = torch.where(has_prev, to_draft, rows[:, :, length : length + width])
+    structure[:, query] = rows
+    return tokens, pos, structure
+
+
+def _previous_states(h: Tensor, positions: Tensor, valid: Tensor, cache: KVCache | None) -> Tensor:
+    """Each input's state replaced by that of the valid token one position before it, cached or new (its own
+    when there is none: position 0 keeps raw[:, 0], as Dream's shift does).  # h [B, L, dim] -> [B, L, dim]"""
+    cached = cache is not None and bool(cache.length)
+    if not cached and bool(valid.all()) and bool((positions[:, 1:] - positions[:, :-1] == 1).all()):
+        return torch.cat((h[:, :1], h[:, :-1]), dim=1)  # the common unpadded call: a plain shift, no [B, L, L] match
+    key_h, key_pos, key_valid, past = h, positions, valid, 0
+    if cached:
+        if cache.hidden is None:
+            raise ValueError("a shift_logits model needs a cache filled by itself (its hidden states are missing)")
+        past = cache.length
+        key_h = torch.cat((cache.hidden, h), dim=1)
+        key_pos = torch.cat((cache.positions, positions), dim=1)
+        key_valid = torch.cat((cache.valid, valid), dim=1)
+    match = (key_pos[:, None, :] == positions[:, :, None] - 1) & key_valid[:, None, :]  # [B, L, K]
+    index = torch.arange(1, key_pos.shape[1] + 1, device=h.device)
+    last = (match.long() * index).amax(dim=-1) - 1  # -1: no predecessor
+    own = past + torch.arange(h.shape[1], device=h.device)
+    pick = torch.where(last >= 0, last, own[None, :])
+    return key_h.gather(1, repeat(pick, "b l -> b l d", d=h.shape[-1]))
+
+
 def _zeros(*shape: int, device=None) -> Tensor:
     return torch.zeros(shape, dtype=torch.bool, device=device)
 
@@ -350,7 +418,7 @@ def _commit_rows(main: KVCache, used: KVCache, rows: Tensor, commit: int) -> Non
     kv = [(k[pick, :, span], v[pick, :, span]) for k, v in zip(used.keys, used.values)]
     positions = used.positions[pick, span]
     valid = used.valid[pick, span] & served[:, None]
-    main.append(kv, positions, valid)
+    main.append(kv, positions, valid, None if used.hidden is None else used.hidden[pick, span])
 
 
 class TransformerLM(nn.Module):
@@ -385,6 +453,8 @@ class TransformerLM(nn.Module):
         for module in self.modules():
             if isinstance(module, nn.Linear | nn.Embedding):
                 nn.init.normal_(module.weight, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
         residual_std = 0.02 / (2 * self.config.n_layers) ** 0.5
         for layer in self.layers:
             nn.init.normal_(layer.attn.wo.weight, std=residual_std)
@@ -453,6 +523,8 @@ class TransformerLM(nn.Module):
         bool mask over keys = cached + new (True = attend) that replaces the layout mask.
         position_ids: default continues from the cache (0 without one), skipping padding.
         use_cache: append this call's keys/values to ``cache`` (in place); otherwise the cache is only read.
+        With ``shift_logits`` the logits at position p come from the state at p - 1 (cached or new; the
+        state itself where p has no predecessor), as Dream's generation code shifts them.
         """
         if use_cache and cache is None:
             raise ValueError("use_cache=True needs a cache to append to: pass cache=model.new_cache()")
@@ -460,6 +532,13 @@ class TransformerLM(nn.Module):
         if position_ids is None:
             start = cache.next_position()[:, None] if cache is not None and cache.length else 0
             position_ids = start + (query_valid.long().cumsum(dim=-1) - 1).clamp(min=0)
+        h = self._hidden(input_ids, position_ids, query_valid, explicit, cache, use_cache, block_offset)
+        if self.config.shift_logits:
+            h = _previous_states(h, position_ids, query_valid, cache)
+        return self._logits(h)
+
+    def _hidden(self, input_ids, position_ids, query_valid, explicit, cache, use_cache, block_offset) -> Tensor:
+        """Last-layer states of the inputs (before the final norm), appended to ``cache`` if asked.  # [B, L, dim]"""
         self._check_positions(position_ids)
         mask = self._attention_mask(position_ids, query_valid, explicit, cache, block_offset)
         cos, sin = self.rotary(position_ids)
@@ -470,8 +549,8 @@ class TransformerLM(nn.Module):
             h, k, v = layer(h, cos, sin, mask, past)
             new_kv.append((k, v))
         if use_cache:
-            cache.append(new_kv, position_ids, query_valid)
-        return self._logits(h)
+            cache.append(new_kv, position_ids, query_valid, h if self.config.shift_logits else None)
+        return h
 
     def structured_verify(
         self,
@@ -511,17 +590,23 @@ class TransformerLM(nn.Module):
         tokens = torch.cat([input_ids, drafts, mask_id, mask_id[:, :1]], dim=1)
         pos = torch.cat([state_pos, window_pos, window_pos, bonus_pos], dim=1)
         structure = _structured_mask(positions, count, bonus, length, width)  # [R, Lq, Lq]
+        if self.config.shift_logits:
+            tokens, pos, structure = _shift_queries(tokens, pos, structure, positions, count, bonus, length,
+                                                    cache is not None and bool(cache.length))
         keys_valid = torch.cat([valid, torch.ones_like(tokens[:, length:], dtype=torch.bool)], dim=1)
         mask = structure & layout_mask(self.layout, pos, pos, self.config.block_size, block_offset)
         mask = mask & keys_valid[:, None, :]
         if cache is not None and cache.length:
             past = layout_mask(self.layout, pos, cache.positions, self.config.block_size, block_offset)
             mask = torch.cat([past, mask], dim=2)
-        logits = self.forward(tokens, attention_mask=mask, position_ids=pos, cache=cache)
-        targets = logits[:, length + width :].clone()  # W window queries, then the bonus query
-        rows = torch.arange(n, device=logits.device)
-        targets[rows, count] = logits[:, -1]  # the bonus goes to row count[r], verify's ragged layout
-        return targets, logits[:, :length]
+        h = self._hidden(tokens, pos, torch.ones_like(tokens, dtype=torch.bool), mask, cache, False, block_offset)
+        targets = self._logits(h[:, length + width :])  # W window queries, then the bonus query
+        rows = torch.arange(n, device=targets.device)
+        targets[rows, count] = targets[:, -1].clone()  # the bonus goes to row count[r], verify's ragged layout
+        state = h[:, :length]
+        if self.config.shift_logits:
+            state = _previous_states(state, state_pos, valid, cache)
+        return targets, self._logits(state)
 
     def _check_positions(self, position_ids: Tensor) -> None:
         """Positions must index the rotary tables (a clear error instead of a device-side assert)."""

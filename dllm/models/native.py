@@ -1,0 +1,286 @@
+"""Native LLaDA and Dream: the hub's config.json, safetensors and tokenizer.json read into TransformerLM.
+
+No file of the checkpoint is imported or executed (no ``trust_remote_code``), so transformers upgrades cannot
+break these families and the project's caches and structured verifier apply. Semantics follow the real
+modelling code (``shared/remote_code``, checked by parity tests):
+  - LLaDA (``modeling_llada.py``, block_type "llama"): pre-norm RMSNorm blocks, rotate-half RoPE in float32,
+    SwiGLU ``ff_out(silu(ff_proj(x)) * up_proj(x))``, bidirectional attention; the output layer has
+    ``embedding_size`` rows (>= vocab_size); ``weight_tying`` reuses ``wte``; ``attention_mask`` [B, L]
+    hides padding keys (GSAI-ML's hub code since 2025-10-21).
+  - Dream (``modeling_dream.py``, Qwen2-style): q/k/v biases, grouped-query attention, ``rope_theta``,
+    ``rms_norm_eps``, bidirectional attention; raw logits at i score token i + 1, so logits at p read the
+    state at p - 1 (``shift_logits``, as Dream's ``diffusion_generate`` shifts them).
+Both compute RoPE and RMSNorm in float32 whatever the weights' dtype (the real Dream code rotates in the
+model dtype; in float32 the two are the same).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dllm.models.checkpoint import Target, load_checkpoint
+from dllm.models.hf import DreamAdapter, LLaDAAdapter, find_mask_token_id, special_ids
+from dllm.models.transformer import TransformerConfig, TransformerLM
+
+FAMILIES = ("llada", "dream")
+# What a hub download fetches: configs, weights and tokenizer files, never the checkpoint's Python code.
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]
+_OPTIONS = ("device_map", "tokenizer", "mask_token_id", "revision", "token", "cache_dir", "local_files_only")
+
+
+class NativeLM(TransformerLM):
+    """A LLaDA or Dream checkpoint as a TransformerLM, carrying what samplers read from an adapter.
+
+    Inference only: calls run under ``torch.inference_mode()`` and parameters need no gradient. Logits are
+    float32 [B, L, V], V the output layer's rows; the mask token's logit is -inf.
+    """
+
+    def __init__(self, config: TransformerConfig, family: str):
+        super().__init__(config)
+        self.family = family
+        self.tokenizer = None
+        self.stop_token_ids: tuple[int, ...] = ()
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+    @torch.inference_mode()
+    def forward(self, *args, **kwargs):
+        return super().forward(*args, **kwargs)
+
+    @torch.inference_mode()
+    def forward_cached(self, *args, **kwargs):
+        return super().forward_cached(*args, **kwargs)
+
+    @torch.inference_mode()
+    def structured_verify(self, *args, **kwargs):
+        return super().structured_verify(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"NativeLM({self.family}, dim={c.dim}, n_layers={c.n_layers}, n_heads={c.n_heads}, "
+                f"n_kv_heads={c.n_kv_heads}, vocab_size={self.vocab_size})")
+
+
+# ------------------------------------------------------------------ hub config.json -> TransformerConfig
+
+
+def _require(hub: dict, family: str, supported: dict[str, tuple]) -> None:
+    """Refuse config values the native model does not implement (a silent mismatch would be wrong logits)."""
+    for key, (default, *allowed) in supported.items():
+        value = hub.get(key, default)
+        if value not in allowed:
+            raise ValueError(f"native {family}: config.json {key}={value!r} is not supported (allowed: {allowed}); "
+                             f"load with kind='remote' to run the checkpoint's own code")
+
+
+# key: (the real code's default when absent, allowed values...)
+_LLADA_SUPPORTED = {
+    "block_type": ("sequential", "llama"), "layer_norm_type": ("default", "rms"), "activation_type": ("swiglu", "silu"),
+    "rope": (False, True), "alibi": (False, False), "include_bias": (False, False),
+    "bias_for_layer_norm": (None, None, False), "layer_norm_with_affine": (True, True),
+    "attention_layer_norm": (False, False), "scale_logits": (False, False), "input_emb_norm": (False, False),
+    "block_group_size": (1, 1), "multi_query_attention": (None, None, False),
+}
+_DREAM_SUPPORTED = {
+    "hidden_act": ("silu", "silu"), "rope_scaling": (None, None), "use_sliding_window": (False, False),
+}
+
+
+def llada_config(hub: dict, mask_token_id: int, eos_token_id, pad_token_id) -> TransformerConfig:
+    """TransformerConfig of a LLaDA config.json (configuration_llada.py's keys and defaults)."""
+    _require(hub, "llada", _LLADA_SUPPORTED)
+    dim, heads = hub.get("d_model", 768), hub.get("n_heads", 12)
+    n_kv = hub.get("n_kv_heads") or heads
+    if hub.get("multi_query_attention") is False and n_kv != heads:
+        raise ValueError(f"native llada: multi_query_attention=False needs n_kv_heads == n_heads, got {n_kv}")
+    return TransformerConfig(
+        vocab_size=hub.get("embedding_size") or hub.get("vocab_size", 50257),  # the output layer's rows
+        dim=dim, n_layers=hub.get("n_layers", 12), n_heads=heads, n_kv_heads=n_kv,
+        mlp_hidden=hub.get("mlp_hidden_size") or hub.get("mlp_ratio", 4) * dim,
+        max_seq_len=hub.get("max_sequence_length", 1024), rope_theta=float(hub.get("rope_theta", 10000.0)),
+        layout="bidirectional", mask_token_id=mask_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+        norm_eps=float(hub.get("rms_norm_eps", 1e-5)), tie_embeddings=bool(hub.get("weight_tying", True)),
+        qkv_bias=bool(hub.get("include_qkv_bias") or False))
+
+
+def dream_config(hub: dict, mask_token_id: int, eos_token_id, pad_token_id) -> TransformerConfig:
+    """TransformerConfig of a Dream config.json (configuration_dream.py's keys and defaults)."""
+    _require(hub, "dream", _DREAM_SUPPORTED)
+    heads = hub.get("num_attention_heads", 32)
+    return TransformerConfig(
+        vocab_size=hub.get("vocab_size", 151936), dim=hub.get("hidden_size", 4096),
+        n_layers=hub.get("num_hidden_layers", 32), n_heads=heads, n_kv_heads=hub.get("num_key_value_heads") or heads,
+        mlp_hidden=hub.get("intermediate_size", 22016), max_seq_len=hub.get("max_position_embeddings", 32768),
+        rope_theta=float(hub.get("rope_theta", 10000.0)), layout="bidirectional", mask_token_id=mask_token_id,
+        eos_token_id=eos_token_id, pad_token_id=pad_token_id, norm_eps=float(hub.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(hub.get("tie_word_embeddings", False)), qkv_bias=True, shift_logits=True)
+
+
+# ------------------------------------------------------------------ hub weight names -> ours
+
+# Per-layer tables: hub name after the layer prefix -> (our name after "layers.{i}.", fused slot or None).
+# Slots place a hub tensor inside our fused wqkv ([q; k; v] rows) and w13 ([gate; up] rows).
+LLADA_LAYER = {
+    "attn_norm.weight": ("attn_norm.weight", None),
+    "q_proj.weight": ("attn.wqkv.weight", "q"), "k_proj.weight": ("attn.wqkv.weight", "k"),
+    "v_proj.weight": ("attn.wqkv.weight", "v"),
+    "q_proj.bias": ("attn.wqkv.bias", "q"), "k_proj.bias": ("attn.wqkv.bias", "k"),
+    "v_proj.bias": ("attn.wqkv.bias", "v"),
+    "attn_out.weight": ("attn.wo.weight", None),
+    "ff_norm.weight": ("mlp_norm.weight", None),
+    "ff_proj.weight": ("mlp.w13.weight", "gate"), "up_proj.weight": ("mlp.w13.weight", "up"),
+    "ff_out.weight": ("mlp.w2.weight", None),
+}
+LLADA_TOP = {"model.transformer.wte.weight": "tok_embeddings.weight", "model.transformer.ln_f.weight": "norm.weight",
+             "model.transformer.ff_out.weight": "output.weight"}
+DREAM_LAYER = {
+    "input_layernorm.weight": ("attn_norm.weight", None),
+    "self_attn.q_proj.weight": ("attn.wqkv.weight", "q"), "self_attn.k_proj.weight": ("attn.wqkv.weight", "k"),
+    "self_attn.v_proj.weight": ("attn.wqkv.weight", "v"),
+    "self_attn.q_proj.bias": ("attn.wqkv.bias", "q"), "self_attn.k_proj.bias": ("attn.wqkv.bias", "k"),
+    "self_attn.v_proj.bias": ("attn.wqkv.bias", "v"),
+    "self_attn.o_proj.weight": ("attn.wo.weight", None),
+    "post_attention_layernorm.weight": ("mlp_norm.weight", None),
+    "mlp.gate_proj.weight": ("mlp.w13.weight", "gate"), "mlp.up_proj.weight": ("mlp.w13.weight", "up"),
+    "mlp.down_proj.weight": ("mlp.w2.weight", None),
+}
+DREAM_TOP = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
+             "lm_head.weight": "output.weight"}
+
+
+@dataclass(frozen=True)
+class _Family:
+    """One architecture's tables: config mapping, weight names, and the adapter whose token rules it shares."""
+
+    config: Callable[..., TransformerConfig]
+    layer_prefix: str
+    layer: dict[str, tuple[str, str | None]]
+    top: dict[str, str]
+    ignored: str  # regex of hub tensors that are computed, not loaded (rotary tables)
+    adapter: type
+    bpe_tokenizer: str | None = None  # transformers' class for vocab.json + merges.txt when there is no tokenizer.json
+
+
+_FAMILIES = {
+    "llada": _Family(llada_config, "model.transformer.blocks.", LLADA_LAYER, LLADA_TOP, r"$^", LLaDAAdapter),
+    # Dream's hub tokenizer is its own tokenization_dream.py, Qwen2's byte-level BPE with Qwen2's pre-tokenizer
+    # regex: transformers' Qwen2Tokenizer reads the same vocab.json/merges.txt without running that file.
+    "dream": _Family(dream_config, "model.layers.", DREAM_LAYER, DREAM_TOP, r"(^|\.)rotary_emb\.inv_freq$",
+                     DreamAdapter, "Qwen2Tokenizer"),
+}
+
+
+def weight_renamer(family: str, config: TransformerConfig) -> Callable[[str], Target | None]:
+    """The hub-name -> Target function of ``family`` for a model built from ``config`` (KeyError if unknown)."""
+    spec = _FAMILIES[family]
+    kv_dim = config.n_kv_heads * config.head_dim
+    offsets = {None: 0, "q": 0, "k": config.dim, "v": config.dim + kv_dim, "gate": 0, "up": config.mlp_hidden}
+    layer_name = re.compile(re.escape(spec.layer_prefix) + r"(\d+)\.(.+)$")
+
+    def rename(hub_name: str) -> Target | None:
+        if re.search(spec.ignored, hub_name):
+            return None
+        if hub_name in spec.top:
+            ours = spec.top[hub_name]
+            if ours == "output.weight" and config.tie_embeddings:
+                return None  # a tied checkpoint may store the shared matrix twice; ours is the embedding
+            return Target(ours)
+        match = layer_name.match(hub_name)
+        if match is None or match.group(2) not in spec.layer or int(match.group(1)) >= config.n_layers:
+            raise KeyError(hub_name)
+        ours, slot = spec.layer[match.group(2)]
+        if ours.endswith("bias") and not config.qkv_bias:
+            raise KeyError(hub_name)
+        return Target(f"layers.{match.group(1)}.{ours}", offsets[slot])
+
+    return rename
+
+
+# ------------------------------------------------------------------ loading
+
+
+def load_native(name_or_path: str | os.PathLike, family: str, device=None, dtype: torch.dtype | None = None,
+                **kw: Any) -> NativeLM:
+    """A LLaDA or Dream checkpoint (local folder or hub id) as a NativeLM with ``.tokenizer``; no hub code runs.
+
+    kw: ``device_map`` (accelerate placement across GPUs, instead of ``device``), ``tokenizer`` (object or
+    path), ``mask_token_id`` (override); for a hub id, ``revision``, ``token``, ``cache_dir``, ``local_files_only``.
+    """
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {list(FAMILIES)}, got {family!r}")
+    unknown = sorted(set(kw) - set(_OPTIONS))
+    if unknown:
+        raise TypeError(f"native {family} loading takes the keywords {list(_OPTIONS)}, got {unknown}")
+    device_map = kw.get("device_map")
+    if device == "auto":  # dllm.load's device="auto" means accelerate's placement, as in from_pretrained
+        device, device_map = None, "auto"
+    folder = _folder(name_or_path, kw)
+    hub = json.loads((folder / "config.json").read_text())
+    spec = _FAMILIES[family]
+    tokenizer = _tokenizer(kw.get("tokenizer"), folder, spec.bpe_tokenizer)
+    namespace = types.SimpleNamespace(**hub)  # the attribute view the adapters' id helpers read
+    mask_token_id = kw.get("mask_token_id")
+    if mask_token_id is None:
+        mask_token_id = find_mask_token_id(namespace, tokenizer, spec.adapter.mask_token_names)
+    if mask_token_id is None:
+        raise ValueError(f"native {family}: {folder} names no mask token (config.json mask_token_id, the "
+                         f"tokenizer's mask_token, or one of {list(spec.adapter.mask_token_names)}); "
+                         "pass mask_token_id= to dllm.load")
+    eos, pad, stops = special_ids(namespace, tokenizer)
+    config = spec.config(hub, mask_token_id, eos, pad)
+    from accelerate import init_empty_weights
+
+    with init_empty_weights():
+        model = NativeLM(config, family)
+    if config.tie_embeddings:  # accelerate re-wraps each parameter inside init_empty_weights, which unties them
+        model.output.weight = model.tok_embeddings.weight
+    load_checkpoint(model, folder, weight_renamer(family, config), dtype=dtype, device=device,
+                    device_map=device_map)
+    model.requires_grad_(False).eval()
+    model.tokenizer, model.stop_token_ids = tokenizer, stops
+    return model
+
+
+def _folder(name_or_path, kw: dict) -> Path:
+    """The local folder, or a hub snapshot of its config, weight and tokenizer files only (no ``.py``)."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+
+    hub = {k: kw[k] for k in ("revision", "token", "cache_dir", "local_files_only") if k in kw}
+    return Path(snapshot_download(str(name_or_path), allow_patterns=HUB_PATTERNS, ignore_patterns=["*.py"], **hub))
+
+
+def _tokenizer(given, folder: Path, bpe_class: str | None):
+    """``given`` if it is a tokenizer; else the fast tokenizer of ``given`` or the folder (tokenizer.json, or
+    vocab.json + merges.txt read by ``bpe_class``; no remote code); None when it has neither."""
+    if given is not None and not isinstance(given, str | os.PathLike):
+        return given
+    source = Path(given) if given is not None else folder
+    if source.is_dir() and not (source / "tokenizer.json").is_file():
+        if bpe_class is None or not all((source / f).is_file() for f in ("vocab.json", "merges.txt")):
+            return None
+        import transformers
+
+        return getattr(transformers, bpe_class).from_pretrained(str(source), local_files_only=True)
+    from transformers import PreTrainedTokenizerFast
+
+    if source.is_file():
+        return PreTrainedTokenizerFast(tokenizer_file=str(source))
+    return PreTrainedTokenizerFast.from_pretrained(str(source), local_files_only=True)
