@@ -14,6 +14,7 @@ from fixtures.hf.remote_checkpoints import (
     make_dream_folder,
     make_llada_folder,
     reference_model,
+    reference_model_unloaded,
 )
 
 from dllm import load
@@ -109,13 +110,21 @@ def test_remote_kind_is_for_llada_and_dream_only(tmp_path):
 
 
 @TRANSFORMERS_5
-def test_dream_native_sampler_without_its_generation_config_is_one_clear_message(dream):
-    model = reference_model(dream)
-    model.generation_config = transformers.GenerationConfig()  # what from_pretrained leaves when Dream's fails
+def test_dream_native_sampler_failures_are_one_clear_message(tmp_path, monkeypatch):
+    """Dream's diffusion_generate under transformers 5, unpatched (a folder reference_model never touched):
+    first its old validate() signature, and past that (patched here) the missing eps."""
+    folder = make_dream_folder(tmp_path / "dream")
+    with _default_rope():
+        model = reference_model_unloaded(folder).eval()
     adapter = DreamAdapter(model)
+    run = dict(temperature=0.0, generator=torch.Generator(), stats=DecodeStats())
     with pytest.raises(RemoteCodeError, match=r"sampling from DreamModel with its remote code \(dream\) fails under "
-                                              r"transformers .*validate\(\).*" + FIX):
-        adapter.native_generate(IDS[:, :3], 2, temperature=0.0, generator=torch.Generator(), stats=DecodeStats())
+                                              r"transformers .*validate\(\) with transformers 4's signature.*" + FIX):
+        adapter.native_generate(IDS[:, :3], 2, **run)
+    generation_config_class = _remote_classes(folder, "dream")[2].DreamGenerationConfig
+    monkeypatch.setattr(generation_config_class, "validate", lambda self, *args, **kwargs: None)
+    with pytest.raises(RemoteCodeError, match=r"from_model_config compares each field .*no 'eps'.*" + FIX):
+        adapter.native_generate(IDS[:, :3], 2, **run)
 
 
 @TRANSFORMERS_5

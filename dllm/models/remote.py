@@ -37,7 +37,8 @@ def incompatibility(error: BaseException) -> str | None:
         return ("its DreamGenerationConfig overrides GenerationConfig.validate() with transformers 4's "
                 "signature (no user_set_attributes argument)")
     if isinstance(error, AttributeError) and "GenerationConfig" in text and "'eps'" in text:
-        return "its diffusion_generate needs a DreamGenerationConfig (eps, alg, ...) and got a plain GenerationConfig"
+        return ("transformers 5's GenerationConfig.from_model_config compares each field with a plain "
+                "GenerationConfig, which lacks Dream's (AttributeError: no 'eps')")
     return None
 
 
