@@ -1,5 +1,6 @@
 """The guarded remote-code path (dllm/models/remote.py, kind='remote'), tried on the real LLaDA / Dream code."""
 
+import re
 import subprocess
 import sys
 
@@ -16,6 +17,7 @@ from fixtures.hf.remote_checkpoints import (
     reference_model,
     reference_model_unloaded,
 )
+from safetensors.torch import load_file, save_file
 
 from dllm import load
 from dllm.models.hf import DreamAdapter, LLaDAAdapter
@@ -101,6 +103,17 @@ def test_remote_kind_loads_compatible_code_through_the_adapters(tmp_path):
     assert isinstance(load(builders.save_dream(tmp_path / "dream"), trust_remote_code=True), DreamAdapter)
     x = torch.full((1, 4), model.mask_token_id)
     assert model(x).shape == (1, 4, model.vocab_size)
+
+
+def test_tensors_the_checkpoint_lacks_are_refused_not_left_random(tmp_path):
+    folder = builders.save_llada(tmp_path / "llada")
+    state = load_file(folder / "model.safetensors")
+    dropped = sorted(k for k in state if k.endswith("weight"))[0]
+    del state[dropped]
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(RemoteCodeError, match=rf"holds no tensor for 1 of the model's \('{re.escape(dropped)}'\); "
+                                              r"from_pretrained left them random"):
+        load(folder, kind="remote")
 
 
 def test_remote_kind_is_for_llada_and_dream_only(tmp_path):
