@@ -220,6 +220,8 @@ def test_bad_arguments_and_folders(tmp_path):
         load_checkpoint(empty_tiny(), folder, rename, device_map="everywhere")
     with pytest.raises(TypeError, match="dtype must be None or a floating torch.dtype"):
         load_checkpoint(empty_tiny(), folder, rename, dtype=torch.int8)
+    with pytest.raises(ValueError, match="disk offload is not supported"):
+        load_checkpoint(empty_tiny(), folder, rename, device_map={"": "cpu", "out": "disk"})
     with pytest.raises(ValueError, match="device_map places no prefix of 'out.weight'"):
         load_checkpoint(empty_tiny(), folder, rename, device_map={"embed": "cpu", "layers": "cpu"})
     with pytest.raises(FileNotFoundError, match="has neither model.safetensors nor model.safetensors.index.json"):
