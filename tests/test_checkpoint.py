@@ -220,6 +220,8 @@ def test_bad_arguments_and_folders(tmp_path):
         load_checkpoint(empty_tiny(), folder, rename, device_map="everywhere")
     with pytest.raises(TypeError, match="dtype must be None or a floating torch.dtype"):
         load_checkpoint(empty_tiny(), folder, rename, dtype=torch.int8)
+    with pytest.raises(ValueError, match="disk offload is not supported"):
+        load_checkpoint(empty_tiny(), folder, rename, device_map={"": "cpu", "out": "disk"})
     with pytest.raises(ValueError, match="device_map places no prefix of 'out.weight'"):
         load_checkpoint(empty_tiny(), folder, rename, device_map={"embed": "cpu", "layers": "cpu"})
     with pytest.raises(FileNotFoundError, match="has neither model.safetensors nor model.safetensors.index.json"):
@@ -260,3 +262,11 @@ def test_fills_the_real_modelling_code_as_load_state_dict_does(tmp_path, make):
     reference.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in state.items()})
     ids = torch.tensor([[2, 20, 21, 299, 299, 1]])
     torch.testing.assert_close(model.float().eval()(ids).logits, reference(ids).logits, rtol=0, atol=0)
+
+
+def test_a_buffer_neither_loaded_nor_computed_is_refused(tmp_path):
+    model = empty_tiny()
+    model.layers[0].rotary = nn.Module()  # a table without init_buffers, which the checkpoint does not hold
+    model.layers[0].rotary.register_buffer("inv_freq", torch.empty(D // 2, device="meta"), persistent=False)
+    with pytest.raises(ValueError, match=r"still on the meta device .*: \['layers.0.rotary.inv_freq'\]"):
+        load_checkpoint(model, save_sharded(tmp_path / "ckpt", hub_state()), rename)

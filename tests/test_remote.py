@@ -1,5 +1,6 @@
 """The guarded remote-code path (dllm/models/remote.py, kind='remote'), tried on the real LLaDA / Dream code."""
 
+import re
 import subprocess
 import sys
 
@@ -14,7 +15,9 @@ from fixtures.hf.remote_checkpoints import (
     make_dream_folder,
     make_llada_folder,
     reference_model,
+    reference_model_unloaded,
 )
+from safetensors.torch import load_file, save_file
 
 from dllm import load
 from dllm.models.hf import DreamAdapter, LLaDAAdapter
@@ -102,6 +105,17 @@ def test_remote_kind_loads_compatible_code_through_the_adapters(tmp_path):
     assert model(x).shape == (1, 4, model.vocab_size)
 
 
+def test_tensors_the_checkpoint_lacks_are_refused_not_left_random(tmp_path):
+    folder = builders.save_llada(tmp_path / "llada")
+    state = load_file(folder / "model.safetensors")
+    dropped = sorted(k for k in state if k.endswith("weight"))[0]
+    del state[dropped]
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(RemoteCodeError, match=rf"holds no tensor for 1 of the model's \('{re.escape(dropped)}'\); "
+                                              r"from_pretrained left them random"):
+        load(folder, kind="remote")
+
+
 def test_remote_kind_is_for_llada_and_dream_only(tmp_path):
     with pytest.raises(ValueError, match=r"kind='remote' loads LLaDA or Dream hub code, but .* is neither "
                                          r"\(model_type='llama'"):
@@ -109,13 +123,21 @@ def test_remote_kind_is_for_llada_and_dream_only(tmp_path):
 
 
 @TRANSFORMERS_5
-def test_dream_native_sampler_without_its_generation_config_is_one_clear_message(dream):
-    model = reference_model(dream)
-    model.generation_config = transformers.GenerationConfig()  # what from_pretrained leaves when Dream's fails
+def test_dream_native_sampler_failures_are_one_clear_message(tmp_path, monkeypatch):
+    """Dream's diffusion_generate under transformers 5, unpatched (a folder reference_model never touched):
+    first its old validate() signature, and past that (patched here) the missing eps."""
+    folder = make_dream_folder(tmp_path / "dream")
+    with _default_rope():
+        model = reference_model_unloaded(folder).eval()
     adapter = DreamAdapter(model)
+    run = dict(temperature=0.0, generator=torch.Generator(), stats=DecodeStats())
     with pytest.raises(RemoteCodeError, match=r"sampling from DreamModel with its remote code \(dream\) fails under "
-                                              r"transformers .*validate\(\).*" + FIX):
-        adapter.native_generate(IDS[:, :3], 2, temperature=0.0, generator=torch.Generator(), stats=DecodeStats())
+                                              r"transformers .*validate\(\) with transformers 4's signature.*" + FIX):
+        adapter.native_generate(IDS[:, :3], 2, **run)
+    generation_config_class = _remote_classes(folder, "dream")[2].DreamGenerationConfig
+    monkeypatch.setattr(generation_config_class, "validate", lambda self, *args, **kwargs: None)
+    with pytest.raises(RemoteCodeError, match=r"from_model_config compares each field .*no 'eps'.*" + FIX):
+        adapter.native_generate(IDS[:, :3], 2, **run)
 
 
 @TRANSFORMERS_5

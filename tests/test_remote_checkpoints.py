@@ -42,6 +42,10 @@ def test_reference_model_holds_the_saved_weights_and_the_rotary_formula(folders,
         expected = 1.0 / model.config.rope_theta ** (torch.arange(0, head, 2).float() / head)
         torch.testing.assert_close(model.model.rotary_emb.inv_freq, expected, rtol=0, atol=0)
         assert model.generation_config.eps is not None  # diffusion_generate reads it
+        torch.manual_seed(0)
+        out = model.diffusion_generate(torch.tensor([[2, 20, 21]]), max_new_tokens=4, steps=4,
+                                       return_dict_in_generate=True)
+        assert out.sequences.shape == (1, 7) and (out.sequences[:, :3] == torch.tensor([[2, 20, 21]])).all()
     logits = model(torch.tensor([[2, 20, 21, 299, 299, 1]])).logits
     assert logits.shape == (1, 6, 320) and logits.isfinite().all() and logits.std() > 0.1
 

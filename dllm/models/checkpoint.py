@@ -176,10 +176,13 @@ def _placement(module: nn.Module, entries: list[_Entry], dtype, device, device_m
         from accelerate import infer_auto_device_map
 
         main = dtype or Counter(e.dtype for e in entries).most_common(1)[0][0]  # sizes as they will be loaded
-        return infer_auto_device_map(module, no_split_module_classes=getattr(module, "_no_split_modules", None),
-                                     dtype=main)
+        device_map = infer_auto_device_map(module, dtype=main,
+                                           no_split_module_classes=getattr(module, "_no_split_modules", None))
     if not isinstance(device_map, dict):
         raise TypeError(f"device_map must be None, 'auto' or a dict of module names to devices, got {device_map!r}")
+    if "disk" in device_map.values():  # accelerate's offload needs weights on disk in its own format
+        raise ValueError("device_map places modules on 'disk' (the model does not fit the visible devices and "
+                         "host memory); disk offload is not supported: free memory or use more devices")
     return dict(device_map)
 
 

@@ -189,12 +189,14 @@ def _load_hf(name: str, kind: str, local: Path | None, device, dtype, kw: dict):
 
 def _load_remote(name: str, family: str, local: Path | None, device, dtype, kw: dict):
     """A LLaDA / Dream checkpoint through its own code: known transformers-5 failures become one clear
-    RemoteCodeError, and a model whose rotary tables are not their formula is refused, not returned."""
-    from dllm.models.remote import check_rotary, guard
+    RemoteCodeError; a model with tensors the folder lacks, or rotary tables off their formula, is refused."""
+    from dllm.models.remote import check_rotary, check_weights, guard
 
     kw["trust_remote_code"] = True
     with guard(name, family):
         adapter = _load_hf(name, family, local, device, dtype, kw)
+    if local is not None:
+        check_weights(adapter.model, local, name)
     check_rotary(adapter.model, adapter.model.config, name)
     return adapter
 

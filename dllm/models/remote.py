@@ -3,12 +3,14 @@
 Hub code written for transformers 4 fails under 5 in known ways, some loudly (turned here into one message naming
 the incompatibility and the fix) and one silently: Dream's rotary ``inv_freq`` is a non-persistent buffer that
 transformers 5's ``from_pretrained`` leaves uninitialised, so the logits are wrong with no error. Hence every
-model loaded this way has its rotary tables checked against their formula, 1 / theta^(2i/d), before use.
+model loaded this way has its rotary tables checked against their formula, 1 / theta^(2i/d), and (for a local
+folder) its tensors against the checkpoint's names, before use.
 """
 
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -37,7 +39,8 @@ def incompatibility(error: BaseException) -> str | None:
         return ("its DreamGenerationConfig overrides GenerationConfig.validate() with transformers 4's "
                 "signature (no user_set_attributes argument)")
     if isinstance(error, AttributeError) and "GenerationConfig" in text and "'eps'" in text:
-        return "its diffusion_generate needs a DreamGenerationConfig (eps, alg, ...) and got a plain GenerationConfig"
+        return ("transformers 5's GenerationConfig.from_model_config compares each field with a plain "
+                "GenerationConfig, which lacks Dream's (AttributeError: no 'eps')")
     return None
 
 
@@ -54,6 +57,35 @@ def guard(name, family: str, what: str = "loading"):
 
         raise RemoteCodeError(f"{what} {name} with its remote code ({family}) fails under transformers "
                               f"{transformers.__version__}: {cause}; {FIX}") from error
+
+
+def check_weights(model: nn.Module, folder: Path, name) -> None:
+    """Refuse (RemoteCodeError) a model with tensors its local safetensors checkpoint does not hold: transformers'
+    from_pretrained only warns and leaves them at their random initialisation."""
+    from safetensors import safe_open
+
+    from dllm.models.checkpoint import checkpoint_files
+
+    try:
+        files = checkpoint_files(folder)
+    except FileNotFoundError:
+        return  # not a safetensors checkpoint (.bin): nothing to read the names from cheaply
+    stored: set[str] = set()
+    for shard in files:
+        with safe_open(folder / shard, framework="pt") as file:
+            stored.update(file.keys())
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    state = model.state_dict()
+
+    def held(key: str) -> bool:  # checkpoints saved from the base model lack the prefix
+        return key in stored or (prefix and key.removeprefix(f"{prefix}.") in stored)
+
+    loaded = {state[k].data_ptr() for k in state if held(k)}
+    missing = [k for k in state if not held(k) and state[k].data_ptr() not in loaded]  # tied copies count as held
+    if missing:
+        shown = ", ".join(map(repr, missing[:8])) + (f" ... and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise RemoteCodeError(f"{name}: its checkpoint holds no tensor for {len(missing)} of the model's "
+                              f"({shown}); from_pretrained left them random, so the model is refused")
 
 
 def check_rotary(model: nn.Module, config, name) -> int:
