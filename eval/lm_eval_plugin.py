@@ -1,7 +1,7 @@
 """A `dllm` model for lm-evaluation-harness: any checkpoint `dllm.load` reads, decoded by any dllm sampler.
 
-    python -m dllm.eval.lm_eval_plugin run --model dllm \\
-        --model_args pretrained=PATH,sampler=fef,window=4,block_length=32 --tasks gsm8k
+    dllm-lm-eval run --model dllm --model_args pretrained=PATH,sampler=fef,window=4,block_length=32 --tasks gsm8k
+    # the same: python -m dllm.eval.lm_eval_plugin run ...; plain `lm_eval --model dllm` cannot find the model
     # in Python: import dllm.eval.lm_eval_plugin, then lm_eval.simple_evaluate(model="dllm", ...)
 
 lm-eval (0.4.x) finds models only in its own registry: it reads no entry points, so the class must be
@@ -12,7 +12,7 @@ model_args: `pretrained` (default: the shipped model for the sampler's kind), `k
 `sampler`, `temperature` (used when a request sets none), `max_gen_toks`, `seed`, `batch_size`,
 `mc_samples` and `mc_batch_size` (Monte-Carlo samples for diffusion log-likelihoods, and how many go
 in one call), `add_bos_token`, `max_length`; every other key is a sampler option (`window=4`,
-`drafter=PATH` for ar_spec).
+`drafter=PATH` for ar_spec), read by the option's type as on dllm's command line (`cache=none` stays a string).
 
 Requests:
 - `generate_until`: `until` stop strings (plus the EOS text) and `max_gen_toks` from the request's
@@ -29,6 +29,7 @@ Requests:
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import sys
 from typing import Any
@@ -41,10 +42,11 @@ from lm_eval.api.registry import register_model
 from tqdm.auto import tqdm
 
 import dllm
+from dllm.defaults import DTYPE, TEMPERATURE, resolve_dtype
 from dllm.eval.answers import truncate_at_stop
 from dllm.eval.runner import batch_seed, default_model, left_pad, model_device
 from dllm.protocols import is_causal_model
-from dllm.samplers import SAMPLERS
+from dllm.samplers import SAMPLERS, typed_options
 
 __all__ = ["DllmLM", "main"]
 
@@ -56,8 +58,8 @@ _LM_EVAL_KEYS = ("max_batch_size",)  # passed by lm-eval's CLI to every model; n
 class DllmLM(TemplateLM):
     """lm-eval's LM interface over `dllm.load` and `dllm.generate`."""
 
-    def __init__(self, pretrained: str | None = None, kind: str = "auto", dtype: str | None = None,
-                 device: str | None = None, sampler: str = "fef", temperature: float = 0.0,
+    def __init__(self, pretrained: str | None = None, kind: str = "auto", dtype: str | None = DTYPE,
+                 device: str | None = None, sampler: str = "fef", temperature: float = TEMPERATURE,
                  max_gen_toks: int = 256, seed: int = 0, batch_size: int | str = 1, mc_samples: int = 32,
                  mc_batch_size: int = 32, add_bos_token: bool = False, max_length: int | None = None,
                  **sampler_options: Any) -> None:
@@ -67,6 +69,8 @@ class DllmLM(TemplateLM):
         for key in _LM_EVAL_KEYS:
             sampler_options.pop(key, None)
         device = _available(device)
+        dtype = resolve_dtype(dtype, device)
+        sampler_options = typed_options(sampler, sampler_options)
         self.model = dllm.load(pretrained or default_model(sampler), kind=kind, device=device, dtype=dtype)
         self.tokenizer = self.model.tokenizer
         if self.tokenizer is None:
@@ -82,6 +86,19 @@ class DllmLM(TemplateLM):
         self.options = sampler_options
         self.causal = is_causal_model(self.model)
         self._device = model_device(self.model)
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> DllmLM:
+        """``--model_args`` text: our own keywords typed as lm-eval types them, sampler options as text for
+        ``typed_options`` (lm-eval would turn ``1e3`` into a float and ``true`` into a bool for any key)."""
+        own = set(inspect.signature(cls.__init__).parameters) - {"self", "sampler_options"}
+        args: dict[str, Any] = {}
+        for item in filter(str.strip, (arg_string or "").split(",")):
+            key, _, value = item.partition("=")
+            key = key.strip()
+            args[key] = lm_utils.handle_arg_string(value) if key in own or key in _LM_EVAL_KEYS else value
+        extra = {k: v for k, v in (additional_config or {}).items() if v is not None}
+        return cls(**{**args, **extra})
 
     # ---------------------------------------------------------------- tokens
 

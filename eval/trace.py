@@ -156,6 +156,21 @@ def _ar_spec_rounds(mine, start: int, eos: int | None) -> list[Round]:
 # --------------------------------------------------------------------------------------------------------
 
 
+def check_trace_path(path: str | Path) -> Path:
+    """The trace file as a Path, once its suffix is one we write and, for .png, matplotlib imports
+    (checked before decoding, so a missing library does not cost the run)."""
+    path = Path(path)
+    if path.suffix.lower() not in (".html", ".htm", ".png"):
+        raise ValueError(f"a trace file must end in .html or .png, got {path.name!r}")
+    if path.suffix.lower() == ".png":
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise RuntimeError(f"the trace {path.name} needs matplotlib (pip install 'dllm[bench]'); "
+                               "an .html trace does not") from None
+    return path
+
+
 def render_trace(events: Sequence[dict], tokenizer, path: str | Path, *, prompt_length: int | None = None,
                  row: int = 0, mask_token_id: int | None = None, title: str | None = None) -> Path:
     """Write the trajectory of canvas row ``row`` to ``path``: ``.html`` (a table) or ``.png`` (a text grid).
@@ -164,9 +179,7 @@ def render_trace(events: Sequence[dict], tokenizer, path: str | Path, *, prompt_
     (ids shown). ``prompt_length`` is inferred for diffusion and ``ar`` traces; ``mask_token_id`` and
     the EOS id default to the tokenizer's.
     """
-    path = Path(path)
-    if path.suffix.lower() not in (".html", ".htm", ".png"):
-        raise ValueError(f"trace path must end in .html or .png, got {path.name!r}")
+    path = check_trace_path(path)
     mask_token_id = mask_token_id if mask_token_id is not None else getattr(tokenizer, "mask_token_id", None)
     rounds = trace_rounds(events, prompt_length=prompt_length, row=row, mask_token_id=mask_token_id,
                           eos_token_id=getattr(tokenizer, "eos_token_id", None))
