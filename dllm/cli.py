@@ -149,7 +149,7 @@ def _generate(args: argparse.Namespace) -> int:
     from dllm.samplers import SAMPLERS, parse_options
 
     if args.sampler not in SAMPLERS:
-        raise SystemExit(f"--sampler must be one of {sorted(SAMPLERS)}, got {args.sampler!r}")
+        raise UserError(f"--sampler must be one of {sorted(SAMPLERS)}, got {args.sampler!r}")
     options = parse_options(args.sampler, args.option)
     _check_max_new_tokens(args.max_new_tokens)
     check_device(args.device)

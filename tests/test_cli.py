@@ -228,6 +228,18 @@ def test_auto_dtype_is_bf16_only_with_native_bf16(monkeypatch):
         defaults.resolve_dtype("fp8", flag="--dtype")
 
 
+def test_load_and_generate_cli_resolve_auto_with_the_same_function(checkpoints, monkeypatch, capsys):
+    import dllm
+    from dllm import defaults
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)  # as on a CPU with AMX
+    model = dllm.load(checkpoints["diffusion"], dtype="auto")
+    assert next(model.parameters()).dtype == torch.bfloat16 == defaults.auto_dtype("cpu")
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    assert next(dllm.load(checkpoints["diffusion"], dtype="auto").parameters()).dtype == torch.float32
+
+
 def test_auto_dtype_on_this_machine():
     """What the CPU reports decides it: an AVX2-only CPU (no AMX, no AVX512-BF16) gets float32."""
     from dllm import defaults
