@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from dllm.defaults import TEMPERATURE
 from dllm.numerics import RowGenerators
 from dllm.protocols import accepts_attention_mask, is_causal_model, is_diffusion_model, needs_prompt, padding_refusal
 from dllm.samplers import SAMPLERS, SamplerSpec
@@ -37,7 +38,7 @@ def generate(
     input_ids: torch.Tensor,
     sampler: str = "fef",
     max_new_tokens: int = 64,
-    temperature: float = 1.0,
+    temperature: float = TEMPERATURE,
     generator: torch.Generator | Sequence[torch.Generator] | None = None,
     attention_mask: torch.Tensor | None = None,
     eos_token_id: int | Sequence[int] | None | str = "model",

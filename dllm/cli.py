@@ -7,11 +7,15 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+from dllm.defaults import DTYPE, DTYPES, TEMPERATURE
 
 WEIGHTS = Path(__file__).resolve().parent / "weights"  # the shipped default models
 DEFAULTS = {"diffusion": WEIGHTS / "diffusion", "ar": WEIGHTS / "ar", "drafter": WEIGHTS / "drafter"}
 DEMO_ALPHABET = "abcdefgh"
+_DEFAULT_PROMPT = "Tom has 3 bags with 4 apples each. How many apples does Tom have?"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in commands:  # these own their argument parsing
         import importlib
 
-        return importlib.import_module(commands[argv[0]]).main(argv[1:])
+        return run_guarded(argv[0], lambda: importlib.import_module(commands[argv[0]]).main(argv[1:]))
     parser = argparse.ArgumentParser(prog="dllm", description="Exact speculative decoding for diffusion LMs.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub.add_parser("generate", help="generate text (default: the shipped diffusion model with fef)"))
@@ -28,16 +32,92 @@ def main(argv: list[str] | None = None) -> int:
                        ("bench", "AR vs diffusion speed study"), ("train", "train the small default models")]:
         sub.add_parser(name, help=text)
     args = parser.parse_args(argv)
+    return run_guarded("generate", lambda: _generate(args))
+
+
+def run_guarded(command: str, run: Callable[[], int]) -> int:
+    """Run a command; any error ends it with one line ``dllm COMMAND: message`` (DLLM_DEBUG=1: the traceback).
+
+    The library's errors name the parameter already; errors from below (torch, transformers, the hub) are
+    kept to their message on one line, prefixed by their type when that is not a plain bad-input error.
+    """
     try:
-        return _generate(args)
-    except (ValueError, TypeError) as error:  # the library's bad-input errors name the parameter: say just that
+        return run()
+    except SystemExit:
+        raise
+    except KeyboardInterrupt:
         if os.environ.get("DLLM_DEBUG"):
             raise
-        raise SystemExit(f"dllm generate: {error}") from None
+        print(f"dllm {command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as error:
+        if os.environ.get("DLLM_DEBUG"):
+            raise
+        raise SystemExit(f"dllm {command}: {_one_line(error)}") from None
+
+
+def _one_line(error: BaseException) -> str:
+    message = " ".join(str(error).split()) or "(no message)"
+    plain = (ValueError, TypeError, FileNotFoundError, RuntimeError, ImportError)
+    return message if type(error) in plain or isinstance(error, UserError) else f"{type(error).__name__}: {message}"
+
+
+class UserError(Exception):
+    """Bad input found by the command line itself (a flag's value); the message names the flag."""
+
+
+def check_device(device: str | None, flag: str = "--device") -> None:
+    """Refuse, before any loading, a device that does not parse or is not there (cuda without CUDA)."""
+    if device is None or device == "auto":
+        return
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise UserError(f"{flag} must name a torch device (cpu, cuda, cuda:1, auto), got {device!r}") from None
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(f"{flag} {device}: CUDA is not available here (torch {torch.__version__}, "
+                            f"{'no GPU found' if torch.version.cuda else 'a CPU-only build'}); use --device cpu")
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise UserError(f"{flag} {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif parsed.type != "cpu" and not getattr(getattr(torch, parsed.type, None), "is_available", lambda: True)():
+        raise UserError(f"{flag} {device}: {parsed.type} is not available here; use --device cpu")
+
+
+def load_checkpoint(name: str, flag: str, **load_kwargs):
+    """dllm.load with the failures a user can fix said in one line naming the flag (missing folder, hub
+    id not reachable or not found)."""
+    import dllm
+
+    path = Path(name).expanduser()
+    if not path.is_dir() and (path.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1
+                              or os.sep in name.rstrip(os.sep) and not _hub_shaped(name)):
+        raise UserError(f"{flag} {name}: no such folder (a checkpoint folder or a hub id such as org/model)")
+    if path.is_dir():
+        return dllm.load(str(path), **load_kwargs)
+    if not _hub_shaped(name):
+        raise UserError(f"{flag} {name}: no such folder, and not a hub id (org/model)")
+    try:
+        return dllm.load(name, **load_kwargs)
+    except OSError as error:  # huggingface_hub's and transformers' errors for ids they cannot fetch
+        offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+        why = ("HF_HUB_OFFLINE is set and it is not in the local hub cache" if offline
+               else _one_line(error).split(". ")[0])
+        raise UserError(f"{flag} {name}: no such folder, and the hub could not provide it ({why}); "
+                        "pass a local checkpoint folder or a reachable hub id") from None
+
+
+def _hub_shaped(name: str) -> bool:
+    """``org/model`` or ``model``: the names the hub accepts (letters, digits, - _ .)."""
+    import re
+
+    return re.fullmatch(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?", name) is not None
 
 
 def _add_generate(p: argparse.ArgumentParser) -> None:
-    p.add_argument("prompt", nargs="?", default="Tom has 3 bags with 4 apples each. How many apples does Tom have?")
+    p.add_argument("prompt", nargs="?", default=_DEFAULT_PROMPT)
     p.add_argument("--model", help="a folder or hub id for dllm.load (default: the shipped model for the sampler)")
     p.add_argument("--kind", default="auto",
                    help="dllm.load kind: auto, llada, dream, diffusion_gemma, mlm, causal, dllm, remote")
@@ -46,53 +126,52 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
                    "model: the shipped diffusion model, 8 drafts per round; the shipped causal drafter is "
                    "dllm/weights/drafter)")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--temperature", type=float, default=TEMPERATURE, help=f"0 is greedy (default {TEMPERATURE})")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                   help="sampler option, e.g. --option window=4 --option order=confidence "
-                        "(fef here defaults to window=8, draft=stale)")
+                   help="sampler option, read as the option's type: --option window=4 --option cache=none "
+                        "(defaults: README, 'Defaults')")
     p.add_argument("--raw", action="store_true",
                    help="use the prompt as is (the shipped models otherwise get 'Question: ...\\nAnswer:')")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")
+    p.add_argument("--dtype", default=DTYPE, choices=DTYPES,
+                   help="auto (default): bfloat16 on GPUs and CPUs with native bf16, else float32")
     p.add_argument("--show-steps", action="store_true", help="print the canvas after every round")
     p.add_argument("--trace", metavar="FILE", help="write the denoising trajectory as .html or .png")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--demo", action="store_true", help="run on the built-in HMM oracle (no model files needed)")
 
 
-def parse_option(text: str) -> tuple[str, object]:
-    """KEY=VALUE with the value read as int, float, bool, None or str."""
-    from dllm.eval.runner import parse_value
-
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise SystemExit(f"--option expects KEY=VALUE, got {text!r}")
-    return key, parse_value(value)
-
-
 def _generate(args: argparse.Namespace) -> int:
     import torch
 
-    from dllm.samplers import SAMPLERS
+    from dllm.samplers import SAMPLERS, parse_options
 
     if args.sampler not in SAMPLERS:
-        raise SystemExit(f"--sampler must be one of {sorted(SAMPLERS)}, got {args.sampler!r}")
+        raise UserError(f"--sampler must be one of {sorted(SAMPLERS)}, got {args.sampler!r}")
+    options = parse_options(args.sampler, args.option)
+    _check_max_new_tokens(args.max_new_tokens)
+    check_device(args.device)
+    if args.trace:  # before decoding: a missing plotting library must not cost a whole run
+        from dllm.eval.trace import check_trace_path
+
+        check_trace_path(args.trace)
     causal = SAMPLERS[args.sampler].model_kind == "causal"
     path = args.model or str(DEFAULTS["ar" if causal else "diffusion"])
     if args.demo or (args.model is None and not Path(path).exists()):
-        return _demo(args)
+        return _demo(args, options, missing=None if args.demo else path)
     started = time.perf_counter()
-    model = _load(path, args.kind, args.device, args.dtype)
+    model = _load(path, "--model", args.kind, args.device, args.dtype)
     tokenizer = model.tokenizer
-    options = dict(parse_option(o) for o in args.option)
-    if args.sampler == "fef":  # the fastest exact setting measured on the shipped model (README)
-        options = {"window": 8, "draft": "stale", **options}
+    if tokenizer is None:
+        raise UserError(f"--model {path}: the checkpoint has no tokenizer, and dllm generate takes text")
     if args.sampler == "ar_spec" and "drafter" not in options:
         options["drafter"] = _drafter(args, model)
         if args.drafter is None and args.model is None and not isinstance(options["drafter"], str):
             options.setdefault("num_draft_tokens", 8)  # the shipped diffusion drafter: fastest measured (README)
+    elif args.drafter is not None:
+        raise UserError(f"--drafter is for --sampler ar_spec, got --sampler {args.sampler}")
     text = _format_prompt(args, tokenizer, default_model=args.model is None)
     from dllm.eval.runner import model_device
 
@@ -124,6 +203,11 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_max_new_tokens(value: int) -> None:
+    if value < 1:
+        raise UserError(f"--max-new-tokens must be >= 1, got {value}")
+
+
 def _run(model, ids, args, options):
     import torch
 
@@ -134,16 +218,10 @@ def _run(model, ids, args, options):
                          **options)
 
 
-def _load(path: str, kind: str, device, dtype):
-    import torch
+def _load(path: str, flag: str, kind: str, device, dtype):
+    from dllm.defaults import resolve_dtype
 
-    import dllm
-
-    if dtype is not None:
-        if dtype not in ("float32", "bfloat16", "float16"):
-            raise SystemExit(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
-        dtype = getattr(torch, dtype)
-    model = dllm.load(path, kind=kind, device=device, dtype=dtype)
+    model = load_checkpoint(path, flag, kind=kind, device=device, dtype=resolve_dtype(dtype, device, "--dtype"))
     if hasattr(model, "eval"):
         model.eval()
     return model
@@ -152,11 +230,13 @@ def _load(path: str, kind: str, device, dtype):
 def _drafter(args, model):
     if args.drafter == "ngram":
         return "ngram"
+    if args.drafter is not None:
+        return _load(args.drafter, "--drafter", "auto", args.device, args.dtype)
     # With the shipped AR model the shipped diffusion model drafts: 8 tokens per call measured 2.1x ar.
-    path = args.drafter or (str(DEFAULTS["diffusion"]) if args.model is None else None)
-    if path is None or not Path(path).exists() and args.drafter is None:
-        return "ngram"
-    return _load(path, "auto", args.device, args.dtype)
+    shipped = DEFAULTS["diffusion"]
+    if args.model is None and shipped.exists():
+        return _load(str(shipped), "--drafter", "auto", args.device, args.dtype)
+    return "ngram"
 
 
 def _format_prompt(args, tokenizer, default_model: bool) -> str:
@@ -225,33 +305,43 @@ def _print_stats(out) -> None:
           f"{'exact' if out.exact else 'approximate'} sampler")
 
 
-def _demo(args: argparse.Namespace) -> int:
-    """The HMM oracle demo: a model whose exact distribution is known, standing in for a real LM."""
+def _demo(args: argparse.Namespace, options: dict, missing: str | None) -> int:
+    """The HMM oracle demo: a model whose exact distribution is known, standing in for a real LM.
+
+    ``missing``: the shipped model folder that was not found (None when ``--demo`` asked for the demo).
+    """
     import torch
 
     import dllm
 
     oracle = dllm.HMMOracle.random(num_states=4, num_tokens=len(DEMO_ALPHABET), seed=0, stickiness=3.0,
                                    sharpness=2.0)
+    if not set(args.prompt) <= set(DEMO_ALPHABET) and args.prompt != _DEFAULT_PROMPT:
+        raise UserError(f"the demo's prompt must use only the letters {DEMO_ALPHABET!r}, got {args.prompt!r}")
     prompt = args.prompt if set(args.prompt) <= set(DEMO_ALPHABET) else "abca"
     ids = torch.tensor([[DEMO_ALPHABET.index(c) for c in prompt]])
-    model = oracle.as_causal() if args.sampler.startswith("ar") else oracle
-    options = dict(parse_option(o) for o in args.option)
+    model = oracle.as_causal() if _model_kind(args.sampler) == "causal" else oracle
     letters = lambda row: "".join("_" if t == oracle.mask_token_id else DEMO_ALPHABET[t] for t in row)  # noqa: E731
     if args.show_steps and not args.json:
         options["callback"] = lambda event: print("  step:", letters(event["x"][0].tolist()))
-    out = dllm.generate(model, ids, sampler=args.sampler, max_new_tokens=min(args.max_new_tokens, 32),
-                        temperature=args.temperature if args.temperature else 1.0,
-                        generator=torch.Generator().manual_seed(args.seed), **options)
+    out = dllm.generate(model, ids, sampler=args.sampler, max_new_tokens=args.max_new_tokens,
+                        temperature=args.temperature, generator=torch.Generator().manual_seed(args.seed), **options)
     text = letters(out.sequences[0].tolist())
     if args.json:
         print(json.dumps({"model": "hmm-oracle-demo", "sampler": args.sampler, "options": out.options,
                           "text": text, "stats": out.stats.to_dict(), "exact": out.exact}))
         return 0
-    print(f"HMM oracle demo (no model files found; exact conditionals), sampler {args.sampler}")
+    why = f"no model files at {missing}" if missing else "--demo"
+    print(f"HMM oracle demo ({why}; exact conditionals), sampler {args.sampler}, temperature {args.temperature}")
     print(f"{prompt} | {text[len(prompt):]}")
     _print_stats(out)
     return 0
+
+
+def _model_kind(sampler: str) -> str:
+    from dllm.samplers import SAMPLERS
+
+    return SAMPLERS[sampler].model_kind
 
 
 if __name__ == "__main__":

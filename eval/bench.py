@@ -48,10 +48,12 @@ from typing import Any
 import torch
 
 import dllm
+from dllm.cli import check_device
+from dllm.defaults import DTYPE, DTYPES, TEMPERATURE, resolve_dtype
 from dllm.eval import cost_model
 from dllm.eval.bench_report import markdown, print_table, write_plots
 from dllm.eval.runner import group_by_length, padding_problem, parse_value
-from dllm.samplers import SAMPLERS
+from dllm.samplers import SAMPLERS, typed_options
 
 SHIPPED = Path(dllm.__file__).resolve().parent / "weights"
 DEFAULT_MODELS = {name: str(SHIPPED / name) for name in ("ar", "diffusion", "drafter")}
@@ -130,14 +132,30 @@ class RunConfig:
         missing = [key for key in ("name", "model", "sampler") if key not in values]
         if missing:
             raise ValueError(f"configuration {dict(values)} lacks {missing}")
-        harness = {key: values[key] for key in HARNESS_KEYS if key in values}
-        return cls(**harness, options={k: v for k, v in values.items() if k not in HARNESS_KEYS})
+        harness = {key: _harness_value(key, values[key]) for key in HARNESS_KEYS if key in values}
+        options = {k: v for k, v in values.items() if k not in HARNESS_KEYS}
+        if values["sampler"] in SAMPLERS:  # text (a --config string, a quoted TOML value) by the option's kind
+            try:
+                options = typed_options(values["sampler"], options)
+            except ValueError as error:
+                raise ValueError(f"configuration {values['name']!r}: {error}") from None
+        return cls(**harness, options=options)
 
     @property
     def drafter(self) -> str | None:
         """The drafter model's name (ar_spec with a model drafter), else None."""
         drafter = self.options.get("drafter")
         return drafter if isinstance(drafter, str) and drafter != "ngram" else None
+
+
+def _harness_value(key: str, value: Any) -> Any:
+    """A harness key's value; text (from --config) read as the key's type."""
+    if not isinstance(value, str) or key not in ("temperature", "tokens_per_step"):
+        return value
+    try:
+        return float(value) if key == "temperature" else int(value)
+    except ValueError:
+        raise ValueError(f"{key} expects {'a number' if key == 'temperature' else 'an int'}, got {value!r}") from None
 
 
 def parse_config(text: str) -> RunConfig:
@@ -147,11 +165,7 @@ def parse_config(text: str) -> RunConfig:
         if "=" not in item:
             raise ValueError(f"--config items are key=value separated by ';', got {item!r} in {text!r}")
         key, value = (s.strip() for s in item.split("=", 1))
-        values[key] = parse_value(value)
-    options = SAMPLERS[values["sampler"]].options if values.get("sampler") in SAMPLERS else {}
-    for key, option in options.items():  # "none" is a value of choice options (cache=none), None elsewhere
-        if key in values and values[key] is None and isinstance(option.default, str):
-            values[key] = "none"
+        values[key] = value
     return RunConfig.from_mapping(values)
 
 
@@ -171,11 +185,11 @@ class Settings:
     batch_size: int = 8
     repeats: int = 3
     warmup: int = 1
-    temperature: float = 0.0
+    temperature: float = TEMPERATURE
     seed: int = 0
     prompt_length: int = 32  # "random" prompts only
     baseline: str | None = None  # default: "ar greedy" if present, else the first configuration
-    dtype: str = "bfloat16"  # bf16 is faster on CPUs with bf16 matmuls and on GPUs
+    dtype: str = DTYPE  # auto: bf16 on GPUs and CPUs with native bf16, float32 elsewhere (dllm.defaults)
     device: str = "auto"
     threads: int | None = None
     output: str = "runs/bench"
@@ -188,8 +202,12 @@ class Settings:
                 raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
         if not _is_number(self.temperature, minimum=0):
             raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
-        if not isinstance(getattr(torch, self.dtype, None), torch.dtype):
-            raise ValueError(f"dtype must name a torch dtype (bfloat16, float32, ...), got {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return resolve_dtype(self.dtype, self.torch_device)
 
     @property
     def torch_device(self) -> torch.device:
@@ -573,7 +591,8 @@ def environment(settings: Settings) -> dict:
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                     "python": platform.python_version(), "cpu_count": os.cpu_count(), "device": str(device),
                     "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"},
-        "dtype": settings.dtype, "torch_version": torch.__version__, "threads": torch.get_num_threads(),
+        "dtype": str(settings.torch_dtype).removeprefix("torch."), "torch_version": torch.__version__,
+        "threads": torch.get_num_threads(),
     }
 
 
@@ -618,7 +637,7 @@ def _study(configs: list[RunConfig], settings: Settings, aliases: dict[str, str]
     if baseline not in names:
         raise ValueError(f"baseline {baseline!r} is not a configuration name; names: {names}")
     device = settings.torch_device
-    store = ModelStore(aliases, device, getattr(torch, settings.dtype), tokenizer)
+    store = ModelStore(aliases, device, settings.torch_dtype, tokenizer)
     runs = [prepare(c, store, settings) for c in configs]
     models = list(store.loaded.values())
     prompts = load_prompts(settings, store.tokenizer, min(m.vocab_size for m in models), _special_ids(models))
@@ -629,7 +648,7 @@ def _study(configs: list[RunConfig], settings: Settings, aliases: dict[str, str]
     batches = make_batches(prompts.ids, settings.batch_size, _pad_id(store.tokenizer, models), device,
                            pad=not problems)
     print(f"{len(runs)} configurations x {len(prompts.ids)} prompts ({prompts.source}) on {device}, "
-          f"{settings.dtype}, {torch.get_num_threads()} threads")
+          f"{str(settings.torch_dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads")
     profiles, times = time_study(runs, batches, settings)
     repeats_done = min(len(t) for t in times.values()) if times else 0
     stops = _special_ids(models, masks=False) | {getattr(store.tokenizer, "eos_token_id", None)}
@@ -713,7 +732,8 @@ def build_parser() -> argparse.ArgumentParser:
         parser.add_argument(f"--{name}", type=kind,
                             help=f"default: {'torch default' if default is None else default}")
     parser.add_argument("--baseline", help="configuration the speedups are relative to (default: ar greedy)")
-    parser.add_argument("--dtype", help="bfloat16 (default) or float32")
+    parser.add_argument("--dtype", help="auto (default: bfloat16 on GPUs and CPUs with native bf16, else float32), "
+                        "float32, bfloat16 or float16")
     parser.add_argument("--device", help="auto (default), cpu or cuda")
     parser.add_argument("--output", help="output folder (default runs/bench)")
     cost_model.add_arguments(parser.add_argument_group("cost model (--cost-model)"))
@@ -736,6 +756,7 @@ def main(argv: list[str] | None = None) -> int:
     flags = {f.name: getattr(args, f.name) for f in fields(Settings) if getattr(args, f.name, None) is not None}
     task_options = {k: parse_value(v) for k, v in _pairs(args.task_option, "--task-option").items()}
     settings = Settings(**{**study, **flags, **({"task_options": task_options} if task_options else {})})
+    check_device(settings.device)  # before any model loads
     aliases = {**DEFAULT_MODELS, **file_models, **_pairs(args.model, "--model")}
     tokenizer = None
     if args.tokenizer:

@@ -1,7 +1,8 @@
 """A `dllm` model for lm-evaluation-harness: any checkpoint `dllm.load` reads, decoded by any dllm sampler.
 
-    dllm-lm-eval --model dllm --model_args pretrained=PATH,sampler=fef,window=4,block_length=32 --tasks gsm8k
+    dllm-lm-eval run --model dllm --model_args pretrained=PATH,sampler=fef,window=4,block_length=32 --tasks gsm8k
     python -m dllm.eval.lm_eval_plugin run --model dllm --model_args pretrained=PATH,sampler=ar --tasks hellaswag
+    # plain `lm_eval --model dllm` cannot find the model (lm-eval reads no entry points; see below)
     # in Python: import dllm.eval.lm_eval_plugin, then lm_eval.simple_evaluate(model="dllm", ...)
 
 lm-eval (0.4.x) finds models only in its own registry: it reads no entry points, so the class must be
@@ -21,7 +22,8 @@ model, fef for a diffusion one), `temperature` (used when a request sets none), 
 `batch_size` (an int or "auto"; given in model_args it wins over `--batch_size`), `max_batch_size` (the
 ceiling of "auto"), `add_bos_token`, `prefix_token_id`, `max_length`, and for diffusion models
 `mc_samples`, `mc_batch_size`, `check_greedy` (below); every other key must be an option of the chosen
-sampler (`window=4`, `drafter=PATH` for ar_spec).
+sampler (`window=4`, `drafter=PATH` for ar_spec), read by the option's type as on dllm's command line
+(`cache=none` stays a string).
 
 Requests:
 - `generate_until`: `until` stop strings (plus the EOS text) and `max_gen_toks` from the request's
@@ -66,9 +68,10 @@ from lm_eval.models.utils import (
 from tqdm.auto import tqdm
 
 import dllm
+from dllm.defaults import DTYPE, TEMPERATURE, resolve_dtype
 from dllm.eval.runner import batch_seed, default_model, left_pad, model_device
 from dllm.protocols import is_causal_model
-from dllm.samplers import SAMPLERS
+from dllm.samplers import SAMPLERS, typed_options
 
 __all__ = ["DllmLM", "main"]
 
@@ -84,9 +87,9 @@ OWN_KEYS = ("pretrained", "kind", "dtype", "device", "revision", "trust_remote_c
 class DllmLM(TemplateLM):
     """lm-eval's LM interface over `dllm.load` and `dllm.generate`."""
 
-    def __init__(self, pretrained: str | None = None, kind: str = "auto", dtype: str | None = None,
+    def __init__(self, pretrained: str | None = None, kind: str = "auto", dtype: str | None = DTYPE,
                  device: str | None = None, revision: str | None = None, trust_remote_code: bool | None = None,
-                 sampler: str | None = None, temperature: float = 0.0, max_gen_toks: int = 256, seed: int = 0,
+                 sampler: str | None = None, temperature: float = TEMPERATURE, max_gen_toks: int = 256, seed: int = 0,
                  batch_size: int | str = 1, max_batch_size: int | None = 64, add_bos_token: bool | None = None,
                  prefix_token_id: int | None = None, max_length: int | None = None, mc_samples: int = 32,
                  mc_batch_size: int = 32, check_greedy: bool = True, **sampler_options: Any) -> None:
@@ -108,6 +111,7 @@ class DllmLM(TemplateLM):
         if _own_checkpoint(pretrained, kind):  # this project's folders run no remote code and have no revisions
             load_kw = {}
         device = _pick_device(device)
+        dtype = resolve_dtype(dtype, device)
         self.model = dllm.load(pretrained or default_model(sampler or "fef"), kind=kind, device=device, dtype=dtype,
                                **load_kw)
         self.causal = is_causal_model(self.model)
@@ -125,6 +129,7 @@ class DllmLM(TemplateLM):
         if self.add_bos_token is not None:  # as HFLM, which loads its tokenizer with add_bos_token=: the
             self.tokenizer.add_bos_token = self.add_bos_token  # default of add_special_tokens changes too
         self.sampler = sampler
+        sampler_options = typed_options(sampler, sampler_options)  # text values read by each option's type
         drafter = sampler_options.get("drafter")
         if isinstance(drafter, str) and drafter != "ngram":
             sampler_options["drafter"] = dllm.load(drafter, device=device, dtype=dtype)
@@ -138,8 +143,15 @@ class DllmLM(TemplateLM):
 
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> DllmLM:
-        """As lm-eval's, except that a key in model_args wins over the same key from the command line."""
-        return cls.create_from_arg_obj(lm_utils.simple_parse_args_string(arg_string), additional_config)
+        """As lm-eval's, except that a key in model_args wins over the same key from the command line, and sampler
+        options stay text for ``typed_options`` (lm-eval would turn ``none`` into None and ``1e3`` into a float
+        for any key, whatever the option expects)."""
+        args: dict[str, Any] = {}
+        for item in filter(str.strip, (arg_string or "").split(",")):
+            key, _, value = item.partition("=")
+            key = key.strip()
+            args[key] = lm_utils.handle_arg_string(value) if key in OWN_KEYS else value
+        return cls.create_from_arg_obj(args, additional_config)
 
     @classmethod
     def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None) -> DllmLM:

@@ -48,13 +48,14 @@ from typing import Any
 import torch
 
 import dllm
+from dllm.defaults import DTYPE, DTYPES, TEMPERATURE, resolve_dtype
 from dllm.eval.answers import truncate_at_stop
 from dllm.eval.report import RUN_FILE, SAMPLES_FILE, SUMMARY_FILE, load_samples, parse_samples, summarize_folder
 from dllm.eval.tasks import TASKS, get_task
 from dllm.models.chat import has_chat_template
 from dllm.models.loading import KINDS
 from dllm.protocols import accepts_attention_mask, is_causal_model, padding_refusal
-from dllm.samplers import SAMPLERS
+from dllm.samplers import SAMPLERS, parse_options
 from dllm.stops import answer_lengths, resolve
 
 __all__ = ["EvalConfig", "EvalError", "batch_seed", "default_model", "left_pad", "main", "model_device", "parse_value",
@@ -76,12 +77,12 @@ class EvalConfig:
     task: str
     model: str | None = None  # None: the shipped default for the sampler's model kind
     kind: str = "auto"
-    dtype: str | None = None
+    dtype: str | None = DTYPE  # "auto": dllm.defaults.auto_dtype on the run's device; None: the checkpoint's
     device: str | None = None  # None: cuda:LOCAL_RANK when CUDA is available, else CPU
     sampler: str = "fef"
     options: dict[str, Any] = field(default_factory=dict)
     max_new_tokens: int = 256
-    temperature: float = 0.0
+    temperature: float = TEMPERATURE
     limit: int | None = None
     batch_size: int = 8
     seed: int = 0
@@ -125,14 +126,12 @@ def parse_value(text: str) -> Any:
     return {"none": None, "null": None, "true": True, "false": False}.get(text.lower(), text)
 
 
-def _parse_options(items: Sequence[str]) -> dict[str, Any]:
-    options = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise EvalError(f"--option expects KEY=VALUE, got {item!r}")
-        options[key] = parse_value(value)
-    return options
+def _parse_options(sampler: str, items: Sequence[str]) -> dict[str, Any]:
+    """--option text typed by what each option of the sampler expects (samplers.parse_options)."""
+    try:
+        return parse_options(sampler, items)
+    except ValueError as error:
+        raise EvalError(str(error)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -141,14 +140,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("task", choices=sorted(TASKS))
     p.add_argument("--model", help="checkpoint folder or hub id (default: the shipped model for the sampler)")
     p.add_argument("--kind", default="auto", choices=KINDS, help="how dllm.load reads the checkpoint")
-    p.add_argument("--dtype", help="e.g. bfloat16 (default: the checkpoint's)")
+    p.add_argument("--dtype", default=DTYPE, choices=DTYPES,
+                   help="auto (default: bfloat16 on GPUs and CPUs with native bf16, else float32)")
     p.add_argument("--device", help="e.g. cuda:0 or cpu (default: cuda:LOCAL_RANK when available)")
     p.add_argument("--sampler", default="fef", choices=sorted(SAMPLERS))
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="sampler option, repeatable: --option window=4 --option order=confidence; "
                         "--option drafter=PATH loads an ar_spec drafter with dllm.load")
     p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--temperature", type=float, default=TEMPERATURE, help=f"0 is greedy (default {TEMPERATURE})")
     p.add_argument("--limit", type=int, help="first N problems only")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
@@ -166,7 +166,7 @@ def config_from_args(argv: Sequence[str]) -> EvalConfig:
     args = build_parser().parse_args(argv)
     return EvalConfig(
         task=args.task, model=args.model, kind=args.kind, dtype=args.dtype, device=args.device,
-        sampler=args.sampler, options=_parse_options(args.option), max_new_tokens=args.max_new_tokens,
+        sampler=args.sampler, options=_parse_options(args.sampler, args.option), max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, limit=args.limit, batch_size=args.batch_size, seed=args.seed,
         output=args.output or f"eval_results/{args.task}-{args.sampler}", num_fewshot=args.num_fewshot,
         chat=args.chat, data_file=args.data_file, subset=args.subset, num_samples=args.num_samples,
@@ -340,7 +340,8 @@ def _device(config: EvalConfig) -> str | None:
 
 def _load(name: str, config: EvalConfig):
     try:
-        return dllm.load(name, kind=config.kind, device=_device(config), dtype=config.dtype)
+        device = _device(config)
+        return dllm.load(name, kind=config.kind, device=device, dtype=resolve_dtype(config.dtype, device, "--dtype"))
     except (FileNotFoundError, ValueError) as error:
         raise EvalError(f"cannot load {name}: {error}") from None
 

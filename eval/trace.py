@@ -169,10 +169,17 @@ def drop_after_stop(rounds: list[Round], stop_token_ids: Sequence[int] | None) -
 
 
 def check_trace_path(path: str | Path) -> Path:
-    """The trace's path, refused before decoding unless it ends in .html or .png."""
+    """The trace file as a Path, once its suffix is one we write and, for .png, matplotlib imports
+    (checked before decoding, so a missing library does not cost the run)."""
     path = Path(path)
     if path.suffix.lower() not in (".html", ".htm", ".png"):
-        raise ValueError(f"trace path must end in .html or .png, got {path.name!r}")
+        raise ValueError(f"a trace file must end in .html or .png, got {path.name!r}")
+    if path.suffix.lower() == ".png":
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise RuntimeError(f"the trace {path.name} needs matplotlib (pip install 'dllm[bench]'); "
+                               "an .html trace does not") from None
     return path
 
 

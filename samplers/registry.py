@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from dllm.defaults import FEF_DRAFT, FEF_WINDOW
 from dllm.protocols import has_cache, is_causal_model, is_diffusion_model
 
 from . import ar, diffusion, fef, masked, native
@@ -16,12 +18,62 @@ from .order import ORDERS
 MAX_NEW = object()  # default: the value of max_new_tokens
 
 
+KINDS = ("int", "float", "str", "dict", "drafter")  # what an option's value is; text is parsed by it
+
+
 @dataclass(frozen=True)
 class Option:
-    """One sampler option: its default and a check that raises a message naming it."""
+    """One sampler option: its default, a check that raises a message naming it, and its kind (KINDS)."""
 
     default: Any
     check: Callable[[str, Any], None]
+    kind: str
+
+    def parse(self, name: str, text: str) -> Any:
+        """The value that command-line text stands for, read as this option's kind ("none" only where
+        the option takes None: a string option keeps "none", "true", "1e3" as strings)."""
+        if self.kind in ("str", "drafter"):
+            return text
+        if text.strip().lower() in ("none", "null"):
+            return None
+        if self.kind == "dict":
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError:
+                value = text
+            if not isinstance(value, dict):
+                raise ValueError(f"{name} expects a JSON object such as '{{\"steps\": 64}}', got {text!r}")
+            return value
+        cast = int if self.kind == "int" else float
+        try:
+            return cast(text)
+        except ValueError:
+            raise ValueError(f"{name} expects {'an int' if cast is int else 'a number'}, got {text!r}") from None
+
+
+def typed_options(sampler: str, values: Mapping[str, Any]) -> dict[str, Any]:
+    """Options of ``sampler`` with every text value parsed by its option's kind; typed values pass as they
+    are (TOML, Python) and unknown names are left for ``SamplerSpec.resolve`` to refuse with the list."""
+    if sampler not in SAMPLERS:
+        raise ValueError(f"sampler must be one of {sorted(SAMPLERS)}, got {sampler!r}")
+    options = SAMPLERS[sampler].options
+    return {name: options[name].parse(name, value) if isinstance(value, str) and name in options else value
+            for name, value in values.items()}
+
+
+def parse_options(sampler: str, items: Iterable[str], flag: str = "--option") -> dict[str, Any]:
+    """``["window=4", "cache=none"]`` -> ``{"window": 4, "cache": "none"}``: the one parser of option text
+    (``dllm generate/eval/bench --option``, bench ``--config``, the lm-eval plugin's model_args)."""
+    pairs = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"{flag} expects KEY=VALUE, got {item!r}")
+        pairs[key.strip()] = value.strip()
+    try:
+        return typed_options(sampler, pairs)
+    except ValueError as error:
+        raise ValueError(f"{flag} {error}") from None
 
 
 @dataclass(frozen=True)
@@ -197,8 +249,8 @@ def _check_cache(values: dict[str, Any], model) -> None:
         raise ValueError("cfg_scale > 0 needs full-sequence calls: use cache='none' (or 'auto')")
 
 
-BLOCK = {"block_length": Option(MAX_NEW, _int_at_least(1)), "cache": Option("auto", _choice(CACHE_MODES))}
-AR_CACHE = {"cache": Option("auto", _choice(("auto", "none")))}
+BLOCK = {"block_length": Option(MAX_NEW, _int_at_least(1), "int"), "cache": Option("auto", _choice(CACHE_MODES), "str")}
+AR_CACHE = {"cache": Option("auto", _choice(("auto", "none")), "str")}
 
 SAMPLERS: dict[str, SamplerSpec] = {
     spec.name: spec
@@ -206,43 +258,43 @@ SAMPLERS: dict[str, SamplerSpec] = {
         SamplerSpec("ar", ar.ar, "causal", True, {**AR_CACHE}),
         SamplerSpec("ar_spec", ar.ar_spec, "causal", True, {
             **AR_CACHE,
-            "drafter": Option("ngram", _no_check),
-            "num_draft_tokens": Option(4, _int_at_least(1)),
-            "max_ngram": Option(3, _int_at_least(1)),
+            "drafter": Option("ngram", _no_check, "drafter"),
+            "num_draft_tokens": Option(4, _int_at_least(1), "int"),
+            "max_ngram": Option(3, _int_at_least(1), "int"),
         }),
         SamplerSpec("llada", diffusion.llada, "diffusion", False, {
             **BLOCK,
-            "steps": Option(MAX_NEW, _int_at_least(1)),
-            "remasking": Option("low_confidence", _choice(masked.REMASKING)),
-            "cfg_scale": Option(0.0, _number(0.0)),
+            "steps": Option(MAX_NEW, _int_at_least(1), "int"),
+            "remasking": Option("low_confidence", _choice(masked.REMASKING), "str"),
+            "cfg_scale": Option(0.0, _number(0.0), "float"),
         }),
         SamplerSpec("dream", diffusion.dream, "diffusion", False, {
             **BLOCK,
-            "steps": Option(MAX_NEW, _int_at_least(1)),
-            "alg": Option("maskgit_plus", _choice(masked.DREAM_ALGORITHMS)),
-            "alg_temp": Option(None, _number(0.0, optional=True)),
-            "top_p": Option(None, _number(0.0, 1.0, low_open=True, optional=True)),
-            "top_k": Option(None, _optional_int(1)),
+            "steps": Option(MAX_NEW, _int_at_least(1), "int"),
+            "alg": Option("maskgit_plus", _choice(masked.DREAM_ALGORITHMS), "str"),
+            "alg_temp": Option(None, _number(0.0, optional=True), "float"),
+            "top_p": Option(None, _number(0.0, 1.0, low_open=True, optional=True), "float"),
+            "top_k": Option(None, _optional_int(1), "int"),
         }),
         SamplerSpec("fast_dllm", diffusion.fast_dllm, "diffusion", False, {
             **BLOCK,
-            "threshold": Option(None, _number(0.0, 1.0, optional=True)),
-            "factor": Option(None, _number(0.0, low_open=True, optional=True)),
+            "threshold": Option(None, _number(0.0, 1.0, optional=True), "float"),
+            "factor": Option(None, _number(0.0, low_open=True, optional=True), "float"),
         }),
-        SamplerSpec("eb", diffusion.eb, "diffusion", False, {**BLOCK, "gamma": Option(0.01, _number(0.0))}),
+        SamplerSpec("eb", diffusion.eb, "diffusion", False, {**BLOCK, "gamma": Option(0.01, _number(0.0), "float")}),
         SamplerSpec("sequential", diffusion.sequential, "diffusion", True, {
-            **BLOCK, "order": Option("left_to_right", _choice(ORDERS)),
+            **BLOCK, "order": Option("left_to_right", _choice(ORDERS), "str"),
         }),
         SamplerSpec("native", native.native, "any", False, {
-            "generate_kwargs": Option(None, _optional_dict),
-            "drafter": Option(None, _no_check),
+            "generate_kwargs": Option(None, _optional_dict, "dict"),
+            "drafter": Option(None, _no_check, "drafter"),
         }),
         SamplerSpec("fef", diffusion.fef, "diffusion", True, {
             **BLOCK,
-            "order": Option("left_to_right", _choice(ORDERS)),
-            "window": Option(4, _int_at_least(1)),
-            "draft": Option("marginal", _choice(fef.DRAFT_SOURCES)),
-            "verifier": Option("copies", _choice(fef.VERIFIERS)),
+            "order": Option("left_to_right", _choice(ORDERS), "str"),
+            "window": Option(FEF_WINDOW, _int_at_least(1), "int"),
+            "draft": Option(FEF_DRAFT, _choice(fef.DRAFT_SOURCES), "str"),
+            "verifier": Option("copies", _choice(fef.VERIFIERS), "str"),
         }),
     ]
 }

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dllm.defaults import auto_dtype
 from dllm.eval import bench, cost_model
 from dllm.models.transformer import TransformerConfig, TransformerLM
 
@@ -148,7 +149,8 @@ RUN_FIELDS = ("name", "model", "sampler", "options", "tokens_per_s", "s_per_toke
 def test_study_writes_every_field(study):
     out, results = study
     assert {"platform", "processor"} <= set(results["machine"])
-    assert results["dtype"] == "bfloat16" and results["torch_version"] == torch.__version__
+    auto = str(auto_dtype(results["machine"]["device"])).removeprefix("torch.")  # the default dtype "auto"
+    assert results["dtype"] == auto and results["torch_version"] == torch.__version__
     assert results["threads"] == 1 and results["baseline"] == "ar greedy" and results["prompts"]["scored"]
     assert [r["name"] for r in results["runs"]] == [bench.parse_config(t).name for t in bench.DEFAULT_STUDY]
     for run in results["runs"]:

@@ -172,7 +172,8 @@ def test_fef_with_block_cache_is_exact(draft):
         prompt = torch.tensor([0, 3])
         expected = sequential_distribution(model, prompt, 4, block_length=2)
         out = dllm.generate(model, prompt.expand(6000, -1), sampler="fef", max_new_tokens=4, block_length=2,
-                            window=2, cache="block", draft=draft, generator=torch.Generator().manual_seed(0))
+                            window=2, cache="block", draft=draft, temperature=1.0,
+                            generator=torch.Generator().manual_seed(0))
     assert out.options["cache"] == "block"
     assert chi_square_pvalue(out.sequences[:, 2:], expected) > ALPHA
     assert out.stats.accepted < out.stats.drafted
@@ -233,7 +234,7 @@ def test_structured_verifier_is_exact_for_one_layer():
         expected = sequential_distribution(model, prompt, 4, block_length=2)
         out = dllm.generate(model, prompt.expand(6000, -1), sampler="fef", max_new_tokens=4, block_length=2,
                             window=2, verifier="structured", draft="stale", eos_token_id=None,
-                            generator=torch.Generator().manual_seed(1))
+                            temperature=1.0, generator=torch.Generator().manual_seed(1))
     assert chi_square_pvalue(out.sequences[:, 2:], expected) > ALPHA
     assert out.stats.accepted < out.stats.drafted
 
@@ -270,7 +271,7 @@ def test_drafter_cache_equals_uncached(kind):
     for cache in ("none", "auto"):
         rounds = []
         with torch.no_grad():
-            out = dllm.generate(model, prompts, sampler="ar_spec", drafter=drafter, num_draft_tokens=3,
+            out = dllm.generate(model, prompts, sampler="ar_spec", temperature=1.0, drafter=drafter, num_draft_tokens=3,
                                 max_new_tokens=16, attention_mask=mask, eos_token_id=10, cache=cache,
                                 generator=[torch.Generator().manual_seed(s) for s in range(4)],
                                 callback=lambda event, seen=rounds: seen.append((event["rows"].tolist(),
@@ -317,7 +318,8 @@ def test_ar_spec_with_block_causal_drafter_is_exact():
     prompt = torch.tensor([0, 2])
     with torch.no_grad():
         out = dllm.generate(oracle.as_causal(), prompt.expand(12000, -1), sampler="ar_spec", drafter=drafter,
-                            num_draft_tokens=3, max_new_tokens=4, generator=torch.Generator().manual_seed(9))
+                            num_draft_tokens=3, max_new_tokens=4, temperature=1.0,
+                            generator=torch.Generator().manual_seed(9))
     expected = sequential_distribution(oracle.as_causal(), prompt, 4)
     assert chi_square_pvalue(out.sequences[:, 2:], expected) > ALPHA
     assert 0 < out.stats.accepted < out.stats.drafted

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 from fixtures.hf import builders
 
 from dllm.cli import main
@@ -65,3 +66,213 @@ def test_ar_spec_default_drafts_with_the_shipped_diffusion_model(capsys):
 def test_bad_input_is_one_line_naming_the_parameter():
     with pytest.raises(SystemExit, match="dllm generate: window must be >= 1, got 0"):
         main(["generate", "--demo", "--option", "window=0", "--max-new-tokens", "4"])
+
+
+# ---------------------------------------------------------------- options read by what the option expects
+
+
+def test_option_text_is_parsed_by_the_option_type():
+    from dllm.samplers import parse_options
+
+    assert parse_options("fef", ["cache=none", "window=4", "order=confidence", "block_length=none"]) == \
+        {"cache": "none", "window": 4, "order": "confidence", "block_length": None}
+    assert parse_options("dream", ["top_k=none", "top_p=0.9", "alg=1e3"]) == {"top_k": None, "top_p": 0.9,
+                                                                             "alg": "1e3"}
+    assert parse_options("llada", ["remasking=true"]) == {"remasking": "true"}  # a string stays a string
+    assert parse_options("ar_spec", ["drafter=ngram", "num_draft_tokens=8"]) == {"drafter": "ngram",
+                                                                                  "num_draft_tokens": 8}
+    assert parse_options("native", ['generate_kwargs={"steps": 4}']) == {"generate_kwargs": {"steps": 4}}
+    with pytest.raises(ValueError, match="--option window expects an int, got '1e3'"):
+        parse_options("fef", ["window=1e3"])
+    with pytest.raises(ValueError, match="--option KEY=VALUE|expects KEY=VALUE"):
+        parse_options("fef", ["window"])
+
+
+def test_generate_option_cache_none_stays_a_string(checkpoints, capsys):
+    assert main(["generate", "Tom has 3", "--model", str(checkpoints["diffusion"]), "--max-new-tokens", "4",
+                 "--option", "cache=none", "--option", "block_length=2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["options"]["cache"] == "none"
+
+
+def test_eval_option_cache_none_stays_a_string():
+    from dllm.eval import runner
+
+    config = runner.config_from_args(["synthetic", "--option", "cache=none", "--option", "window=2"])
+    assert config.options == {"cache": "none", "window": 2}
+    with pytest.raises(runner.EvalError, match="window expects an int"):
+        runner.config_from_args(["synthetic", "--option", "window=two"])
+
+
+def test_bench_config_and_toml_values_are_typed_by_the_option(tmp_path):
+    from dllm.eval import bench
+
+    assert bench.parse_config("name=a;model=d;sampler=dream;top_k=none;alg=entropy;temperature=1").options == \
+        {"top_k": None, "alg": "entropy"}
+    file = tmp_path / "study.toml"
+    file.write_text('[[run]]\nname = "a"\nmodel = "d"\nsampler = "fef"\nwindow = "4"\ncache = "none"\n')
+    assert bench.read_config_file(file)[2][0].options == {"window": 4, "cache": "none"}
+    with pytest.raises(ValueError, match="configuration 'a': window expects an int"):
+        bench.parse_config("name=a;model=d;sampler=fef;window=wide")
+
+
+def test_lm_eval_model_args_are_typed_by_the_option(checkpoints):
+    from dllm.eval.lm_eval_plugin import DllmLM
+
+    lm = DllmLM.create_from_arg_string(f"pretrained={checkpoints['diffusion']},sampler=dream,top_k=none,"
+                                       "alg=entropy,block_length=2,seed=3")
+    assert lm.options == {"top_k": None, "alg": "entropy", "block_length": 2} and lm.seed == 3
+
+
+# ---------------------------------------------------------------- every error ends in one line
+
+
+def _one_line_exit(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as raised:
+        main(argv)
+    message = str(raised.value.code)
+    assert "\n" not in message and "Traceback" not in capsys.readouterr().out
+    return message
+
+
+def test_missing_model_and_drafter_are_one_line(capsys, tmp_path):
+    assert _one_line_exit(["generate", "--model", str(tmp_path / "nowhere")], capsys) == \
+        f"dllm generate: --model {tmp_path / 'nowhere'}: no such folder (a checkpoint folder or a hub id such as " \
+        "org/model)"
+    assert _one_line_exit(["generate", "--sampler", "ar_spec", "--drafter", str(tmp_path / "none"),
+                           "--max-new-tokens", "4"], capsys).startswith(f"dllm generate: --drafter {tmp_path}")
+    assert _one_line_exit(["generate", "--demo", "--option", "window=big"], capsys) == \
+        "dllm generate: --option window expects an int, got 'big'"
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_cuda_is_one_line_before_loading(capsys):
+    for command in ("generate", "bench"):
+        message = _one_line_exit([command, "--device", "cuda"], capsys)
+        assert message.startswith(f"dllm {command}: --device cuda: CUDA is not available here")
+
+
+def test_trace_png_without_matplotlib_fails_before_decoding(checkpoints, capsys, monkeypatch, tmp_path):
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # import matplotlib now raises
+    with pytest.raises(SystemExit, match=r"dllm generate: the trace x.png needs matplotlib \(pip install"):
+        main(["generate", "Tom", "--model", str(checkpoints["diffusion"]), "--trace", str(tmp_path / "x.png")])
+    assert capsys.readouterr().out == ""  # nothing loaded, nothing decoded
+
+
+def test_bench_missing_model_is_one_line(capsys, tmp_path):
+    message = _one_line_exit(["bench", "--model", f"diffusion={tmp_path / 'nope'}", "--config",
+                              "name=a;model=diffusion;sampler=fef"], capsys)
+    assert message == f"dllm bench: model 'diffusion': no folder at {tmp_path / 'nope'} (shipped models not " \
+                      "there yet? pass --model ALIAS=PATH)"
+
+
+def test_unreachable_hub_id_is_one_line_in_a_real_process():
+    """The installed console script, offline: one line on stderr, no traceback."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    command = ["dllm", "generate", "--model", "nosuch-org/nosuch-model", "--max-new-tokens", "4"]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "dllm generate: --model nosuch-org/nosuch-model: no such folder, and the hub could not provide it "
+        "(HF_HUB_OFFLINE is set and it is not in the local hub cache); pass a local checkpoint folder or a "
+        "reachable hub id")
+
+
+def test_dllm_debug_keeps_the_exception(monkeypatch, tmp_path):
+    from dllm.cli import UserError
+
+    monkeypatch.setenv("DLLM_DEBUG", "1")  # the exception itself propagates, with its traceback
+    with pytest.raises(UserError, match="no such folder"):
+        main(["generate", "--model", str(tmp_path / "nowhere")])
+    with pytest.raises(ValueError, match="window must be >= 1"):
+        main(["generate", "--demo", "--option", "window=0"])
+
+
+# ---------------------------------------------------------------- one default per setting
+
+
+def test_every_entry_point_shares_the_defaults(checkpoints, capsys):
+    import inspect
+
+    import dllm
+    from dllm import defaults
+    from dllm.eval import bench, runner
+    from dllm.eval.lm_eval_plugin import DllmLM
+    from dllm.samplers import SAMPLERS
+
+    plugin = inspect.signature(DllmLM.__init__).parameters
+    eval_args = runner.build_parser().parse_args(["synthetic"])
+    temperatures = [inspect.signature(dllm.generate).parameters["temperature"].default, eval_args.temperature,
+                    runner.EvalConfig("synthetic").temperature, bench.Settings().temperature,
+                    plugin["temperature"].default]
+    assert temperatures == [defaults.TEMPERATURE] * 5
+    assert [eval_args.dtype, runner.EvalConfig("synthetic").dtype, bench.Settings().dtype, plugin["dtype"].default] \
+        == [defaults.DTYPE] * 4
+    fef = SAMPLERS["fef"].options
+    assert (fef["window"].default, fef["draft"].default) == (defaults.FEF_WINDOW, defaults.FEF_DRAFT)
+    assert main(["generate", "Tom", "--model", str(checkpoints["diffusion"]), "--max-new-tokens", "4", "--json"]) == 0
+    cli = json.loads(capsys.readouterr().out)
+    model = dllm.load(checkpoints["diffusion"])
+    ids = torch.tensor([model.tokenizer("Tom")["input_ids"]])
+    python = dllm.generate(model, ids, max_new_tokens=4, generator=torch.Generator().manual_seed(0))
+    assert cli["options"] == python.options  # the same fef settings from the CLI and from Python
+    greedy = dllm.generate(model, ids, max_new_tokens=4, temperature=0.0, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(python.sequences, greedy.sequences)  # the Python default is greedy, like the CLI's
+
+
+def test_auto_dtype_is_bf16_only_with_native_bf16(monkeypatch):
+    from dllm import defaults
+
+    for amx, avx512_bf16, expected in [(False, False, torch.float32), (True, False, torch.bfloat16),
+                                       (False, True, torch.bfloat16)]:
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v)
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v)
+        assert defaults.auto_dtype("cpu") == expected
+        assert defaults.resolve_dtype("auto", None) == expected
+    assert defaults.resolve_dtype("float16") == torch.float16 and defaults.resolve_dtype(None) is None
+    with pytest.raises(ValueError, match="--dtype must be one of"):
+        defaults.resolve_dtype("fp8", flag="--dtype")
+
+
+def test_load_and_generate_cli_resolve_auto_with_the_same_function(checkpoints, monkeypatch, capsys):
+    import dllm
+    from dllm import defaults
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)  # as on a CPU with AMX
+    model = dllm.load(checkpoints["diffusion"], dtype="auto")
+    assert next(model.parameters()).dtype == torch.bfloat16 == defaults.auto_dtype("cpu")
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    assert next(dllm.load(checkpoints["diffusion"], dtype="auto").parameters()).dtype == torch.float32
+
+
+def test_auto_dtype_on_this_machine():
+    """What the CPU reports decides it: an AVX2-only CPU (no AMX, no AVX512-BF16) gets float32."""
+    from dllm import defaults
+
+    native = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+    assert defaults.auto_dtype("cpu") == (torch.bfloat16 if native else torch.float32)
+
+
+# ---------------------------------------------------------------- the demo
+
+
+def test_demo_honours_temperature_zero_and_the_token_budget(capsys):
+    runs = []
+    for seed in ("0", "1"):
+        assert main(["generate", "--demo", "--temperature", "0", "--max-new-tokens", "40", "--seed", seed,
+                     "--json"]) == 0
+        runs.append(json.loads(capsys.readouterr().out))
+    assert runs[0]["text"] == runs[1]["text"]  # greedy: the seed does not matter
+    assert runs[0]["stats"]["new_tokens"] == 40 and len(runs[0]["text"]) == 4 + 40  # not capped at 32
+    sampled = [main(["generate", "--demo", "--temperature", "1", "--max-new-tokens", "40", "--seed", s, "--json"])
+               or json.loads(capsys.readouterr().out)["text"] for s in ("0", "1")]
+    assert sampled[0] != sampled[1]
+
+
+def test_demo_header_says_why_it_runs(capsys):
+    assert main(["generate", "--demo", "--max-new-tokens", "4"]) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    assert header.startswith("HMM oracle demo (--demo;") and "no model files" not in header

@@ -147,7 +147,8 @@ def test_cached_causal_drafter_replays_the_uncached_one(oracle, num_draft_tokens
     cached = Replaying(causal)
     prompts = torch.tensor([[0, 2, 1], [1, 1, 1], [2, 0, 2], [0, 0, 1]]).repeat(4, 1)
     runs = [dllm.generate(oracle.as_causal(), prompts, sampler="ar_spec", max_new_tokens=12, drafter=drafter,
-                          num_draft_tokens=num_draft_tokens, generator=torch.Generator().manual_seed(3))
+                          num_draft_tokens=num_draft_tokens, temperature=1.0,
+                          generator=torch.Generator().manual_seed(3))
             for drafter in (causal, cached)]
     assert torch.equal(runs[0].sequences, runs[1].sequences)
     assert runs[0].stats.drafted == runs[1].stats.drafted and runs[0].stats.accepted == runs[1].stats.accepted

@@ -378,19 +378,19 @@ def test_diffusion_gemma_native_sampler_runs_transformers_generate(folders):
 
     model = load(folders("diffusion_gemma"))
     prompts = torch.tensor([[5, 6, 7], [8, 9, 10]])
-    runs = [dllm.generate(model, prompts, sampler="native", max_new_tokens=6, eos_token_id=None,
+    runs = [dllm.generate(model, prompts, sampler="native", temperature=1.0, max_new_tokens=6, eos_token_id=None,
                           generator=torch.Generator().manual_seed(1)) for _ in range(2)]
     assert torch.equal(runs[0].sequences, runs[1].sequences) and runs[0].sequences.shape == (2, 9)
     assert runs[0].exact is False and runs[0].stats.new_tokens == 12
     # two canvases (6 tokens in blocks of 4): two encoder calls and at least one denoising step each
     assert runs[0].stats.nfe >= 4 and runs[0].stats.rounds >= 4 and runs[0].stats.forward_tokens > 0
-    other = dllm.generate(model, prompts, sampler="native", max_new_tokens=6, eos_token_id=None,
+    other = dllm.generate(model, prompts, sampler="native", temperature=1.0, max_new_tokens=6, eos_token_id=None,
                           generator=torch.Generator().manual_seed(2))
     assert not torch.equal(other.sequences, runs[0].sequences)
     with pytest.raises(ValueError, match="temperature must be 1.0"):
         dllm.generate(model, prompts, sampler="native", max_new_tokens=4, temperature=0.0)
     with pytest.raises(TypeError, match="sampler='native' runs a checkpoint's own sampler"):
-        dllm.generate(load(folders("bert")), prompts, sampler="native", max_new_tokens=4)
+        dllm.generate(load(folders("bert")), prompts, sampler="native", temperature=1.0, max_new_tokens=4)
 
 
 def test_causal_native_sampler_is_transformers_generate(folders):

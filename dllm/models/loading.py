@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from dllm.defaults import auto_dtype
+
 KINDS = ("auto", "llada", "dream", "diffusion_gemma", "mlm", "causal", "dllm", "remote")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt", "vocab.json")
 _HUB_KEYS = ("revision", "token", "cache_dir", "local_files_only")  # what reading a hub config.json may need
@@ -25,7 +27,8 @@ def load(name_or_path: str | os.PathLike, kind: str = "auto", device: str | torc
     Dream checkpoint through its own hub code, guarded: see ``dllm.models.remote``; also what
     ``trust_remote_code=True`` asks for on those families) or "auto" (read from config.json: model_type and
     architectures, or our ``layout`` key).
-    device, dtype: where and in what precision to load; None keeps CPU and the checkpoint's dtype.
+    device, dtype: where and in what precision to load; None keeps CPU and the checkpoint's dtype; dtype "auto"
+    is ``dllm.defaults.auto_dtype(device)`` (bf16 only where the device computes it natively).
     kw: ``mask_token_id`` (override, diffusion kinds), ``tokenizer`` (a tokenizer, or a path to load one from),
     ``device_map`` (native llada/dream: accelerate placement), ``trust_remote_code``; the rest goes to
     ``from_pretrained`` (revision, ...).
@@ -33,7 +36,7 @@ def load(name_or_path: str | os.PathLike, kind: str = "auto", device: str | torc
     """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {list(KINDS)}, got {kind!r}")
-    dtype = _check_dtype(dtype)
+    dtype = auto_dtype(device) if dtype == "auto" else _check_dtype(dtype)
     local = _local_folder(name_or_path)
     config = _config_dict(name_or_path, local, kw)
     kind = _resolve_kind(kind, detect_kind(config), name_or_path, config, kw)
@@ -110,7 +113,7 @@ def _check_dtype(dtype) -> torch.dtype | None:
     if isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype):
         dtype = getattr(torch, dtype)
     if dtype is not None and not isinstance(dtype, torch.dtype):
-        raise TypeError(f"dtype must be None, a torch.dtype or its name (e.g. 'bfloat16'), got {dtype!r}")
+        raise TypeError(f"dtype must be None, 'auto', a torch.dtype or its name (e.g. 'bfloat16'), got {dtype!r}")
     return dtype
 
 

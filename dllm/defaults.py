@@ -1,0 +1,55 @@
+"""The defaults every entry point shares (Python, ``dllm generate/eval/bench``, lm-eval), written once.
+
+The README's "Defaults" section explains each choice; change a value here and every entry point follows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Greedy, as LLaDA's and Dream's own generate and every evaluation harness default to; exact samplers
+# reproduce the model's law at any temperature, so T > 0 is one flag away.
+TEMPERATURE = 0.0
+# fef: the fastest exact setting in tokens/s measured on the shipped model (README, "Measured performance":
+# window 8 with marginal drafts, 555.5 tok/s; stale drafts carry more tokens per call but ran at 428.3).
+FEF_WINDOW = 8
+FEF_DRAFT = "marginal"
+DTYPE = "auto"  # see auto_dtype
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (AMX tiles or AVX512-BF16)."""
+    cpu = getattr(torch, "cpu", None)
+    probes = [getattr(cpu, name, None) for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")]
+    if any(callable(probe) for probe in probes):
+        return any(callable(probe) and probe() for probe in probes)
+    # Older torch: only the dispatch level is known; it names bf16 / AMX when the kernels use them.
+    capability = torch.backends.cpu.get_cpu_capability().upper()
+    return "BF16" in capability or "AMX" in capability
+
+
+def auto_dtype(device: str | torch.device | None = None) -> torch.dtype:
+    """bf16 on a GPU that supports it or a CPU with native bf16; float32 elsewhere.
+
+    Without native bf16 a CPU emulates it: the diffusion samplers then run 2-2.5x slower than in float32
+    (measured on an AVX2 EPYC), which would skew any speed comparison.
+    """
+    device = torch.device(device if device is not None else "cpu")
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else torch.float32
+    if device.type == "cpu":
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    return torch.float32
+
+
+def resolve_dtype(name: str | torch.dtype | None, device: str | torch.device | None = None,
+                  flag: str = "dtype") -> torch.dtype | None:
+    """``"auto"`` -> auto_dtype(device); a dtype name -> the torch dtype; None stays None (checkpoint's)."""
+    if name is None or isinstance(name, torch.dtype):
+        return name
+    if name == "auto":
+        return auto_dtype(device)
+    if name not in DTYPES:
+        raise ValueError(f"{flag} must be one of {list(DTYPES)}, got {name!r}")
+    return getattr(torch, name)
