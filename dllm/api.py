@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from dllm.numerics import RowGenerators
-from dllm.protocols import accepts_attention_mask, is_causal_model, is_diffusion_model
+from dllm.protocols import accepts_attention_mask, context_length, is_causal_model, is_diffusion_model
 from dllm.samplers import SAMPLERS, SamplerSpec
 from dllm.stats import DecodeStats
 
@@ -74,6 +74,7 @@ def generate(
     attention_mask = _check_attention_mask(attention_mask, input_ids, model)
     stop_ids = _stop_ids(model, eos_token_id)
     resolved = spec.resolve(options, model=model, max_new_tokens=max_new_tokens)
+    _check_context(model, input_ids, attention_mask, max_new_tokens)
 
     stats = DecodeStats()
     _synchronize(input_ids.device)
@@ -177,6 +178,21 @@ def _check_attention_mask(attention_mask, input_ids: torch.Tensor, model) -> tor
         raise ValueError(f"{type(model).__name__} does not accept attention_mask (no accepts_attention_mask "
                          "attribute), so padded prompts would be read as tokens; pass equal-length prompts")
     return mask
+
+
+def _check_context(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_new_tokens: int) -> None:
+    """Refuse prompt + max_new_tokens beyond the model's declared context, whether or not a stop comes first."""
+    limit = context_length(model)
+    if limit is None:
+        return
+    # Positions come from the mask, so a padded row needs only its real tokens' positions.
+    prompt = input_ids.shape[1] if attention_mask is None else int(attention_mask.sum(dim=1).max())
+    if prompt + max_new_tokens > limit:
+        room = (f"max_new_tokens <= {limit - prompt} fits this prompt" if prompt < limit else
+                "the prompt alone fills the context")
+        raise ValueError(f"prompt length {prompt} + max_new_tokens {max_new_tokens} = {prompt + max_new_tokens} "
+                         f"tokens exceeds the model's context of {limit} ({type(model).__name__}.context_length); "
+                         f"shorten the prompt or lower max_new_tokens ({room})")
 
 
 def _check_temperature(temperature) -> None:

@@ -68,7 +68,17 @@ def is_causal_model(model: object) -> bool:
 #   covers cached plus new keys. ``model.cache_exact`` (bool) says whether cached logits equal uncached
 #   ones: True for causal models, and for block-causal models while the cache holds only whole blocks
 #   before the inputs' block; False for bidirectional models (a Fast-dLLM-style approximation, opt-in).
+#
+# context_length (the positions a model can read): an int attribute bounding prompt + max_new_tokens, as
+#   the longest row's real tokens (padding excluded, since positions come from the mask) plus the new ones.
+#   ``generate`` refuses longer requests before decoding; None or absent means no limit is checked.
 # ---------------------------------------------------------------------------------------------------------
+
+
+def context_length(model: object) -> int | None:
+    """The model's declared context (prompt + new tokens), or None when it declares no limit."""
+    value = getattr(model, "context_length", None)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def accepts_attention_mask(model: object) -> bool:
