@@ -13,6 +13,12 @@ Output folder (formats in dllm.eval.report):
   Lines are written a whole batch at a time, then flushed and fsynced; on startup a trailing partial
   line or batch is cut off, so a kill loses at most the batch in flight and never duplicates a row.
 - `summary.json`: recomputed from samples.jsonl at the end of every run.
+A folder whose run saved no sample (it died before its first batch) is taken over by the next command.
+Ctrl-C is held while a batch is being written, so an interrupted run keeps every batch it wrote.
+
+Context: every prompt + --max-new-tokens is checked against the model's `context_length` before the
+folder is touched; `--truncate left` keeps each prompt's last (context - max_new_tokens) tokens instead,
+as lm-eval's HFLM does (BOS included in what may be cut).
 
 Batches and seeds: work items (problem, sample) are cut into batches in benchmark order, the same way
 for any number of ranks. Each batch is decoded by one `generate` call with its own generator, seeded
