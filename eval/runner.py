@@ -104,7 +104,6 @@ class EvalConfig:
     progress: bool = True
     truncate: str | None = None  # None: a prompt that does not fit the model's context is an error
 
-
     def __post_init__(self) -> None:
         if self.task not in TASKS:
             raise EvalError(f"unknown task {self.task!r}; choose one of {sorted(TASKS)}")
@@ -382,9 +381,9 @@ def _resume_notes(folder: Path, job: _Job, batches: list[list[_Item]]) -> list[s
     ours, config = len(planned & done), job.config
     notes = [f"resuming: {ours} of {len(planned)} done" + (" (nothing left to decode)" if ours == len(planned) else "")]
     if len(done) > ours:
-        notes.append(f"note: {folder} already holds {len(done)} samples, more than the {len(planned)} this "
-                     f"--limit {config.limit} asks for; the summary covers all {len(done)} "
-                     "(use another --output for a run of the first problems only)")
+        asks = f"this --limit {config.limit} asks for" if config.limit is not None else "this run plans"
+        notes.append(f"note: {folder} already holds {len(done)} samples, more than the {len(planned)} {asks}; "
+                     f"the summary covers all {len(done)} (use another --output for a run of these problems only)")
     before = {a["batch_size"] for a in json.loads((folder / RUN_FILE).read_text())["attempts"][:-1]}
     if config.temperature > 0 and ours < len(planned) and before - {config.batch_size}:
         notes.append(f"warning: --batch-size {config.batch_size} differs from {sorted(before)} used before in this "
