@@ -266,6 +266,21 @@ def test_resume_warns_when_the_batch_size_changes_at_positive_temperature(finish
 # ------------------------------------------------------------------ Ctrl-C (item 9)
 
 
+def test_ctrl_c_waits_until_a_batch_is_written_and_synced(tmp_path, monkeypatch):
+    synced, fsync = [], os.fsync
+
+    def fsync_after_ctrl_c(fd):
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C in the middle of writing a batch
+        fsync(fd)
+        synced.append(fd)
+
+    monkeypatch.setattr(runner.os, "fsync", fsync_after_ctrl_c)
+    rows = [{"id": i, "sample": 0, "batch": {"id": "b", "rows": 2}} for i in range(2)]
+    with pytest.raises(KeyboardInterrupt):
+        runner._append_rows(tmp_path / "samples.jsonl", rows)
+    assert len(synced) == 1 and parse_samples((tmp_path / "samples.jsonl").read_bytes())[0] == rows
+
+
 @pytest.mark.slow
 def test_ctrl_c_keeps_the_written_batches_and_says_how_to_resume(tiny_model, short_data, tmp_path):
     out = tmp_path / "interrupted"
