@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     except EvalError as error:
         if os.environ.get("DLLM_DEBUG"):
             raise
-        print(f"dllm eval: {error}", file=sys.stderr)
+        print(f"dllm eval: {' '.join(str(error).split())}", file=sys.stderr)  # one line, even for wrapped messages
         return 2
     except KeyboardInterrupt:
         if os.environ.get("DLLM_DEBUG"):

@@ -109,6 +109,12 @@ def test_unreachable_hub_through_the_real_entry_point(tiny_model, tmp_path):
     assert err.startswith("dllm eval: cannot load openai/gsm8k (main), split test from the Hugging Face hub")
     assert "--data-file FILE" in err and "DLLM_DATA_DIR" in err and "gsm8k_test.jsonl" in err
     assert "gsm8k_train.jsonl" in err and "--num-fewshot 0" in err
+    # An unreachable hub id for --model: transformers' OSError (two lines) as one line.
+    command[command.index("--model") + 1] = "nobody/no-such-model"
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.strip().startswith("dllm eval: cannot load nobody/no-such-model: ")
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
 # ------------------------------------------------------------------ the context (item 10)
