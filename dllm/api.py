@@ -12,7 +12,13 @@ from typing import Any
 import torch
 
 from dllm.numerics import RowGenerators
-from dllm.protocols import accepts_attention_mask, context_length, is_causal_model, is_diffusion_model
+from dllm.protocols import (
+    accepts_attention_mask,
+    context_length,
+    is_causal_model,
+    is_diffusion_model,
+    max_prompt_length,
+)
 from dllm.samplers import SAMPLERS, SamplerSpec
 from dllm.stats import DecodeStats
 
@@ -182,17 +188,17 @@ def _check_attention_mask(attention_mask, input_ids: torch.Tensor, model) -> tor
 
 def _check_context(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_new_tokens: int) -> None:
     """Refuse prompt + max_new_tokens beyond the model's declared context, whether or not a stop comes first."""
-    limit = context_length(model)
-    if limit is None:
-        return
+    room = max_prompt_length(model, max_new_tokens)
     # Positions come from the mask, so a padded row needs only its real tokens' positions.
     prompt = input_ids.shape[1] if attention_mask is None else int(attention_mask.sum(dim=1).max())
-    if prompt + max_new_tokens > limit:
-        room = (f"max_new_tokens <= {limit - prompt} fits this prompt" if prompt < limit else
-                "the prompt alone fills the context")
+    if room is not None and prompt > room:
+        fits = (f"max_new_tokens <= {max_new_tokens - prompt + room} fits this prompt" if prompt < room + max_new_tokens
+                else "the prompt alone fills the context")
+        causal = " (a causal model never reads its last token: one more fits)" if is_causal_model(model) else ""
         raise ValueError(f"prompt length {prompt} + max_new_tokens {max_new_tokens} = {prompt + max_new_tokens} "
-                         f"tokens exceeds the model's context of {limit} ({type(model).__name__}.context_length); "
-                         f"shorten the prompt or lower max_new_tokens ({room})")
+                         f"tokens exceeds the model's context of {context_length(model)}{causal} "
+                         f"({type(model).__name__}.context_length); shorten the prompt or lower max_new_tokens "
+                         f"({fits})")
 
 
 def _check_temperature(temperature) -> None:

@@ -69,9 +69,10 @@ def is_causal_model(model: object) -> bool:
 #   ones: True for causal models, and for block-causal models while the cache holds only whole blocks
 #   before the inputs' block; False for bidirectional models (a Fast-dLLM-style approximation, opt-in).
 #
-# context_length (the positions a model can read): an int attribute bounding prompt + max_new_tokens, as
-#   the longest row's real tokens (padding excluded, since positions come from the mask) plus the new ones.
-#   ``generate`` refuses longer requests before decoding; None or absent means no limit is checked.
+# context_length (the positions a model can read): an int attribute bounding the longest row's real tokens
+#   (padding excluded, since positions come from the mask) plus max_new_tokens, less one for a causal model,
+#   which never reads the last token it samples. ``generate`` refuses longer requests before decoding (see
+#   ``max_prompt_length``); None or absent means no limit is checked.
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -79,6 +80,15 @@ def context_length(model: object) -> int | None:
     """The model's declared context (prompt + new tokens), or None when it declares no limit."""
     value = getattr(model, "context_length", None)
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def max_prompt_length(model: object, max_new_tokens: int) -> int | None:
+    """The longest prompt that fits in the model's context with ``max_new_tokens`` (None: no limit)."""
+    limit = context_length(model)
+    if limit is None:
+        return None
+    # A diffusion canvas holds prompt + answer at once; a causal model reads all but its last sampled token.
+    return limit - max_new_tokens + (1 if is_causal_model(model) else 0)
 
 
 def accepts_attention_mask(model: object) -> bool:

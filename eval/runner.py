@@ -62,7 +62,7 @@ from dllm.eval.report import RUN_FILE, SAMPLES_FILE, SUMMARY_FILE, load_samples,
 from dllm.eval.tasks import TASKS, get_task
 from dllm.models.chat import has_chat_template
 from dllm.models.loading import KINDS
-from dllm.protocols import context_length, is_causal_model
+from dllm.protocols import context_length, is_causal_model, max_prompt_length
 from dllm.samplers import SAMPLERS
 
 __all__ = ["EvalConfig", "EvalError", "batch_seed", "default_model", "left_pad", "main", "model_device", "parse_value",
@@ -562,12 +562,12 @@ def _fit_context(job: _Job, model_name: str) -> int:
     """Check every prompt + --max-new-tokens against the model's context before decoding; with
     --truncate left, drop the prompts' oldest tokens instead (lm-eval's rule). Returns how many were cut."""
     limit, new = context_length(job.model), job.config.max_new_tokens
-    if limit is None or not job.prompt_ids:
+    room = max_prompt_length(job.model, new)  # the rule generate applies (one more token for causal models)
+    if room is None or not job.prompt_ids:
         return 0
-    if new >= limit:
+    if room < 1:
         raise EvalError(f"--max-new-tokens {new} leaves no room for a prompt in {model_name}'s context of {limit} "
-                        f"tokens; use --max-new-tokens {limit - 1} or fewer")
-    room = limit - new
+                        f"tokens; use --max-new-tokens {new - 1 + room} or fewer")
     long = [i for i, ids in enumerate(job.prompt_ids) if len(ids) > room]
     if not long:
         return 0
@@ -575,7 +575,7 @@ def _fit_context(job: _Job, model_name: str) -> int:
         for i in long:
             job.prompt_ids[i] = job.prompt_ids[i][-room:]
         print(f"dllm eval: --truncate left: {len(long)} of {len(job.prompt_ids)} prompts cut to their last {room} "
-              f"tokens ({model_name}'s context {limit} - --max-new-tokens {new})", file=sys.stderr)
+              f"tokens to fit {model_name}'s context of {limit} with --max-new-tokens {new}", file=sys.stderr)
         return len(long)
     first, longest = long[0], max(len(job.prompt_ids[i]) for i in long)
     size = len(job.prompt_ids[first])
@@ -583,8 +583,8 @@ def _fit_context(job: _Job, model_name: str) -> int:
     shots = getattr(job.task, "num_fewshot", 0)
     if shots and not job.config.chat:
         fixes.append(f"fewer few-shot examples (--num-fewshot below {shots})")
-    if longest < limit:
-        fixes.append(f"fewer new tokens (--max-new-tokens {limit - longest} fits every prompt)")
+    if longest < room + new:
+        fixes.append(f"fewer new tokens (--max-new-tokens {room + new - longest} fits every prompt)")
     fixes.append(f"--truncate left, which keeps each prompt's last {room} tokens (as lm-eval does)")
     raise EvalError(f"problem {job.problems[first]['id']}: its prompt is {size} tokens, and with --max-new-tokens "
                     f"{new} needs {size + new} > {limit}, the context of {model_name} ({len(long)} of "

@@ -44,16 +44,20 @@ SAMPLED = sorted(name for name in SAMPLERS if name != "native")  # native: a mod
 
 @pytest.mark.parametrize("sampler", SAMPLED)
 def test_every_sampler_refuses_a_request_past_the_context_before_calling_the_model(sampler):
-    model = EosFirst(SAMPLERS[sampler].model_kind == "causal", LIMIT)
-    prompt = torch.full((2, 5), 3)
+    causal = SAMPLERS[sampler].model_kind == "causal"
+    model = EosFirst(causal, LIMIT)
+    room = LIMIT - 8 + causal  # a causal model never reads the last token it samples
     options = {"block_length": 4} if "block_length" in SAMPLERS[sampler].options else {}
-    with pytest.raises(ValueError, match=r"prompt length 5 \+ max_new_tokens 8 = 13 tokens exceeds the model's "
-                                         r"context of 12 \(EosFirst.context_length\).*max_new_tokens <= 7 fits"):
-        dllm.generate(model, prompt, sampler=sampler, max_new_tokens=8, temperature=0.0, **options)
+    with pytest.raises(ValueError, match=rf"prompt length {room + 1} \+ max_new_tokens 8 = {room + 9} tokens exceeds "
+                                         rf"the model's context of 12.*\(EosFirst.context_length\).*"
+                                         rf"max_new_tokens <= 7 fits"):
+        dllm.generate(model, torch.full((2, room + 1), 3), sampler=sampler, max_new_tokens=8, temperature=0.0,
+                      **options)
     assert model.calls == 0
     # At the limit it runs, and stops at once (the stop token kept, the rest filled).
-    out = dllm.generate(model, torch.full((2, 4), 3), sampler=sampler, max_new_tokens=8, temperature=0.0, **options)
-    assert out.sequences.shape == (2, 12) and out.sequences[:, 4].tolist() == [EOS, EOS]
+    out = dllm.generate(model, torch.full((2, room), 3), sampler=sampler, max_new_tokens=8, temperature=0.0,
+                        **options)
+    assert out.sequences.shape == (2, room + 8) and out.sequences[:, room].tolist() == [EOS, EOS]
 
 
 def test_models_without_a_declared_context_are_not_checked():
@@ -64,7 +68,7 @@ def test_models_without_a_declared_context_are_not_checked():
 
 def test_the_prompt_alone_filling_the_context_says_so():
     with pytest.raises(ValueError, match="the prompt alone fills the context"):
-        dllm.generate(EosFirst(causal=True, limit=LIMIT), torch.full((1, 12), 3), sampler="ar", max_new_tokens=1)
+        dllm.generate(EosFirst(causal=False, limit=LIMIT), torch.full((1, 12), 3), sampler="fef", max_new_tokens=1)
 
 
 @pytest.mark.parametrize("layout", ["block_causal", "causal"])
@@ -82,8 +86,8 @@ def test_transformer_counts_real_tokens_not_padding(layout):
     out = dllm.generate(model, ids, sampler=sampler, max_new_tokens=8, temperature=1.0, attention_mask=mask,
                         generator=torch.Generator().manual_seed(1), eos_token_id=None)
     assert out.sequences.shape == (2, 28)
-    mask[0, 3] = 1  # row 0 now holds 17 real tokens
-    with pytest.raises(ValueError, match="prompt length 17 \\+ max_new_tokens 8 = 25 tokens exceeds the model's "
+    mask[0, 2:4] = 1  # row 0 now holds 18 real tokens: one more than a causal model's limit, two for diffusion
+    with pytest.raises(ValueError, match="prompt length 18 \\+ max_new_tokens 8 = 26 tokens exceeds the model's "
                                          "context of 24"):
         dllm.generate(model, ids, sampler=sampler, max_new_tokens=8, attention_mask=mask)
 
@@ -92,14 +96,13 @@ def test_hf_adapters_read_the_context_from_their_config(tmp_path):
     causal = dllm.load(builders.save_causal(tmp_path / "llama"))
     mlm = dllm.load(builders.save_mlm(tmp_path / "bert"))
     assert causal.context_length == 128 and mlm.context_length == 128  # the fixtures' max_position_embeddings
-    ids = torch.full((1, 121), 5)
-    for model, sampler in ((causal, "native"), (causal, "ar_spec"), (mlm, "llada")):
-        with pytest.raises(ValueError, match=r"prompt length 121 \+ max_new_tokens 8 = 129 tokens exceeds the "
-                                             r"model's context of 128"):
-            dllm.generate(model, ids, sampler=sampler, max_new_tokens=8, temperature=0.0)
-    out = dllm.generate(causal, ids[:, :120], sampler="native", max_new_tokens=8, temperature=0.0,
+    for model, sampler, prompt in ((causal, "native", 122), (causal, "ar_spec", 122), (mlm, "llada", 121)):
+        with pytest.raises(ValueError, match=rf"prompt length {prompt} \+ max_new_tokens 8 = {prompt + 8} tokens "
+                                             r"exceeds the model's context of 128"):
+            dllm.generate(model, torch.full((1, prompt), 5), sampler=sampler, max_new_tokens=8, temperature=0.0)
+    out = dllm.generate(causal, torch.full((1, 121), 5), sampler="native", max_new_tokens=8, temperature=0.0,
                         generator=torch.Generator().manual_seed(0))
-    assert out.sequences.shape == (1, 128)
+    assert out.sequences.shape == (1, 129)  # 128 positions read: the last token is sampled, never fed
 
 
 def _remote_config(family: str, class_name: str):
