@@ -69,20 +69,6 @@ def fill_after_stop(sequences: Tensor, prompt_length: int, max_new_tokens: int, 
     return sequences, lengths
 
 
-# Where configs declare their context, in lm-eval's order (HFLM.max_length) plus LLaDA's max_sequence_length.
-CONTEXT_ATTRIBUTES = ("n_positions", "max_position_embeddings", "n_ctx", "max_sequence_length")
-
-
-def config_context_length(config) -> int | None:
-    """The first positive int among CONTEXT_ATTRIBUTES of the (text) config, else None (no declared limit)."""
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    for name in CONTEXT_ATTRIBUTES:
-        value = getattr(text, name, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return None
-
-
 def _output_size(model) -> int:
     """The logits' last dim: rows of the output layer, else ``config.vocab_size``."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -99,6 +85,20 @@ def _padding_mask(attention_mask: Tensor | None, input_ids: Tensor) -> Tensor | 
                          f"got {tuple(attention_mask.shape)}")
     mask = attention_mask.to(device=input_ids.device, dtype=torch.long)
     return None if bool(mask.all()) else mask
+
+
+# Where configs declare their context, in lm-eval's order (HFLM.max_length) plus LLaDA's max_sequence_length.
+CONTEXT_ATTRIBUTES = ("n_positions", "max_position_embeddings", "n_ctx", "max_sequence_length")
+
+
+def config_context_length(config) -> int | None:
+    """The first positive int among CONTEXT_ATTRIBUTES of the (text) config, else None (no declared limit)."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    for name in CONTEXT_ATTRIBUTES:
+        value = getattr(text, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
 
 
 class _HFAdapter:
