@@ -53,6 +53,11 @@ def is_causal_model(model: object) -> bool:
 #   as ``model(input_ids, attention_mask=mask)`` with mask [N, L] of 0/1 (0 = left padding). It derives
 #   position ids from the mask (0 at each row's first real token). Without it, padded batches are refused.
 #
+# context_length (the positions a model can read): an int attribute bounding the longest row's real tokens
+#   (padding excluded, since positions come from the mask) plus max_new_tokens, less one for a causal model,
+#   which never reads the last token it samples. ``generate`` refuses longer requests before decoding (see
+#   ``max_prompt_length``); None or absent means no limit is checked.
+#
 # block_size (block-causal diffusion models): a model with an int ``block_size`` attends bidirectionally
 #   inside blocks and causally across them; samplers call it with ``block_offset=`` a LongTensor [N],
 #   the answer's first position per row in position-id coordinates, so model blocks line up with the
@@ -68,11 +73,6 @@ def is_causal_model(model: object) -> bool:
 #   covers cached plus new keys. ``model.cache_exact`` (bool) says whether cached logits equal uncached
 #   ones: True for causal models, and for block-causal models while the cache holds only whole blocks
 #   before the inputs' block; False for bidirectional models (a Fast-dLLM-style approximation, opt-in).
-#
-# context_length (the positions a model can read): an int attribute bounding the longest row's real tokens
-#   (padding excluded, since positions come from the mask) plus max_new_tokens, less one for a causal model,
-#   which never reads the last token it samples. ``generate`` refuses longer requests before decoding (see
-#   ``max_prompt_length``); None or absent means no limit is checked.
 # ---------------------------------------------------------------------------------------------------------
 
 
