@@ -13,7 +13,15 @@ import torch
 
 from dllm.defaults import TEMPERATURE
 from dllm.numerics import RowGenerators
-from dllm.protocols import accepts_attention_mask, is_causal_model, is_diffusion_model, needs_prompt, padding_refusal
+from dllm.protocols import (
+    accepts_attention_mask,
+    context_length,
+    is_causal_model,
+    is_diffusion_model,
+    max_prompt_length,
+    needs_prompt,
+    padding_refusal,
+)
 from dllm.samplers import SAMPLERS, SamplerSpec
 from dllm.stats import DecodeStats
 from dllm.stops import answer_lengths, resolve
@@ -77,6 +85,7 @@ def generate(
     attention_mask = _check_attention_mask(attention_mask, input_ids, model)
     stop_ids = resolve(model, eos_token_id)
     resolved = spec.resolve(options, model=model, max_new_tokens=max_new_tokens)
+    _check_context(model, input_ids, attention_mask, max_new_tokens)
 
     stats = DecodeStats()
     _synchronize(input_ids.device)
@@ -160,6 +169,21 @@ def _check_attention_mask(attention_mask, input_ids: torch.Tensor, model) -> tor
         raise ValueError(f"attention_mask pads these prompts, but {padding_refusal(model)}; pass equal-length "
                          "prompts (or one row per call)")
     return mask
+
+
+def _check_context(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_new_tokens: int) -> None:
+    """Refuse prompt + max_new_tokens beyond the model's declared context, whether or not a stop comes first."""
+    room = max_prompt_length(model, max_new_tokens)
+    # Positions come from the mask, so a padded row needs only its real tokens' positions.
+    prompt = input_ids.shape[1] if attention_mask is None else int(attention_mask.sum(dim=1).max())
+    if room is not None and prompt > room:
+        fits = (f"max_new_tokens <= {max_new_tokens - prompt + room} fits this prompt" if prompt < room + max_new_tokens
+                else "the prompt alone fills the context")
+        causal = " (a causal model never reads its last token: one more fits)" if is_causal_model(model) else ""
+        raise ValueError(f"prompt length {prompt} + max_new_tokens {max_new_tokens} = {prompt + max_new_tokens} "
+                         f"tokens exceeds the model's context of {context_length(model)}{causal} "
+                         f"({type(model).__name__}.context_length); shorten the prompt or lower max_new_tokens "
+                         f"({fits})")
 
 
 def _check_temperature(temperature) -> None:

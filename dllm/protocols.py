@@ -54,6 +54,11 @@ def is_causal_model(model: object) -> bool:
 #   as ``model(input_ids, attention_mask=mask)`` with mask [N, L] of 0/1 (0 = left padding). It derives
 #   position ids from the mask (0 at each row's first real token). Without it, padded batches are refused.
 #
+# context_length (the positions a model can read): an int attribute bounding the longest row's real tokens
+#   (padding excluded, since positions come from the mask) plus max_new_tokens, less one for a causal model,
+#   which never reads the last token it samples. ``generate`` refuses longer requests before decoding (see
+#   ``max_prompt_length``); None or absent means no limit is checked.
+#
 # block_size (block-causal diffusion models): a model with an int ``block_size`` attends bidirectionally
 #   inside blocks and causally across them; samplers call it with ``block_offset=`` a LongTensor [N],
 #   the answer's first position per row in position-id coordinates, so model blocks line up with the
@@ -74,6 +79,21 @@ def is_causal_model(model: object) -> bool:
 #   encoder that reads the prompt, say); ``generate`` refuses empty prompts for it. Every other model
 #   decodes from an empty prompt with every sampler and cache mode.
 # ---------------------------------------------------------------------------------------------------------
+
+
+def context_length(model: object) -> int | None:
+    """The model's declared context (prompt + new tokens), or None when it declares no limit."""
+    value = getattr(model, "context_length", None)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def max_prompt_length(model: object, max_new_tokens: int) -> int | None:
+    """The longest prompt that fits in the model's context with ``max_new_tokens`` (None: no limit)."""
+    limit = context_length(model)
+    if limit is None:
+        return None
+    # A diffusion canvas holds prompt + answer at once; a causal model reads all but its last sampled token.
+    return limit - max_new_tokens + (1 if is_causal_model(model) else 0)
 
 
 def accepts_attention_mask(model: object) -> bool:

@@ -13,6 +13,12 @@ Output folder (formats in dllm.eval.report):
   Lines are written a whole batch at a time, then flushed and fsynced; on startup a trailing partial
   line or batch is cut off, so a kill loses at most the batch in flight and never duplicates a row.
 - `summary.json`: recomputed from samples.jsonl at the end of every run.
+A folder whose run saved no sample (it died before its first batch) is taken over by the next command.
+Ctrl-C is held while a batch is being written, so an interrupted run keeps every batch it wrote.
+
+Context: every prompt + --max-new-tokens is checked against the model's `context_length` before the
+folder is touched; `--truncate left` keeps each prompt's last (context - max_new_tokens) tokens instead,
+as lm-eval's HFLM does (BOS included in what may be cut).
 
 Batches and seeds: work items (problem, sample) are cut into batches in benchmark order, the same way
 for any number of ranks. Each batch is decoded by one `generate` call with its own generator, seeded
@@ -38,9 +44,12 @@ import operator
 import os
 import platform
 import secrets
+import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -50,11 +59,12 @@ import torch
 import dllm
 from dllm.defaults import DTYPE, DTYPES, TEMPERATURE, resolve_dtype
 from dllm.eval.answers import truncate_at_stop
+from dllm.eval.data import DataError
 from dllm.eval.report import RUN_FILE, SAMPLES_FILE, SUMMARY_FILE, load_samples, parse_samples, summarize_folder
 from dllm.eval.tasks import TASKS, get_task
 from dllm.models.chat import has_chat_template
 from dllm.models.loading import KINDS
-from dllm.protocols import accepts_attention_mask, is_causal_model, padding_refusal
+from dllm.protocols import accepts_attention_mask, context_length, is_causal_model, max_prompt_length, padding_refusal
 from dllm.samplers import SAMPLERS, parse_options
 from dllm.stops import answer_lengths, resolve
 
@@ -64,6 +74,8 @@ __all__ = ["EvalConfig", "EvalError", "batch_seed", "default_model", "left_pad",
 PACKAGE_DIR = Path(dllm.__file__).resolve().parent
 DIST_TIMEOUT = datetime.timedelta(hours=24)  # ranks wait at the final barrier for the slowest one
 NOT_IDENTITY = ("limit", "batch_size", "device", "output", "progress")  # may change when resuming
+TRUNCATE = ("left",)  # --truncate: how a prompt too long for the model's context is cut (lm-eval's way)
+INTERRUPTED = 130  # exit status after Ctrl-C (128 + SIGINT), as shells report it
 
 
 class EvalError(Exception):
@@ -93,6 +105,7 @@ class EvalConfig:
     subset: str | None = None
     num_samples: int = 1
     progress: bool = True
+    truncate: str | None = None  # None: a prompt that does not fit the model's context is an error
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -105,6 +118,15 @@ class EvalConfig:
                 raise EvalError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
         if self.temperature < 0:
             raise EvalError(f"--temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if self.truncate is not None and self.truncate not in TRUNCATE:
+            raise EvalError(f"--truncate must be one of {list(TRUNCATE)} (or absent), got {self.truncate!r}")
+        if self.data_file is not None and not Path(self.data_file).is_file():
+            what = "is not a file" if Path(self.data_file).exists() else "does not exist"
+            raise EvalError(f"--data-file {self.data_file} {what}")
+        subsets = TASKS[self.task].subsets
+        if self.subset is not None and self.subset not in subsets:
+            raise EvalError(f"--subset {self.subset!r} is not a subset of {self.task}; choose one of {list(subsets)}"
+                            if subsets else f"--subset: task {self.task} has no subsets, got {self.subset!r}")
 
     def task_options(self) -> dict[str, Any]:
         """The task constructor's keywords that were set on the command line."""
@@ -159,6 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--subset", help="task subset: math 500|full, mbpp full|sanitized")
     p.add_argument("--num-samples", type=int, default=1, help="samples per problem (pass@k for code tasks)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--truncate", choices=TRUNCATE, help="cut prompts longer than the model's context minus "
+                   "--max-new-tokens from the left, as lm-eval does (default: refuse them before decoding)")
     return p
 
 
@@ -170,7 +194,7 @@ def config_from_args(argv: Sequence[str]) -> EvalConfig:
         temperature=args.temperature, limit=args.limit, batch_size=args.batch_size, seed=args.seed,
         output=args.output or f"eval_results/{args.task}-{args.sampler}", num_fewshot=args.num_fewshot,
         chat=args.chat, data_file=args.data_file, subset=args.subset, num_samples=args.num_samples,
-        progress=not args.no_progress,
+        progress=not args.no_progress, truncate=args.truncate,
     )
 
 
@@ -181,14 +205,30 @@ def main(argv: list[str] | None = None) -> int:
         from dllm.eval.report import main as report_main
 
         return report_main(argv[1:])
+    config = None
     try:
-        summary = run(config_from_args(argv))
+        config = config_from_args(argv)
+        summary = run(config)
     except EvalError as error:
-        print(f"dllm eval: {error}", file=sys.stderr)
+        if os.environ.get("DLLM_DEBUG"):
+            raise
+        print(f"dllm eval: {' '.join(str(error).split())}", file=sys.stderr)  # one line, even for wrapped messages
         return 2
+    except KeyboardInterrupt:
+        if os.environ.get("DLLM_DEBUG"):
+            raise
+        saved = f"; {_saved_samples(Path(config.output))} samples are saved in {config.output}" if config else ""
+        print(f"dllm eval: interrupted{saved}; rerun with the same --output to resume", file=sys.stderr)
+        return INTERRUPTED
     if summary is not None:
         _print_summary(summary)
     return 0
+
+
+def _saved_samples(folder: Path) -> int:
+    """Complete rows in the folder's samples and shard files (read only: the next run repairs them)."""
+    files = [folder / SAMPLES_FILE, *sorted(folder.glob("shard-*.jsonl"))] if folder.is_dir() else []
+    return sum(len(load_samples(path)) for path in files)
 
 
 def _print_summary(summary: dict) -> None:
@@ -240,10 +280,27 @@ class _Ranks:
 # ------------------------------------------------------------------ the output folder
 
 
+@contextmanager
+def _interrupt_deferred():
+    """Hold Ctrl-C (SIGINT) until the block ends, then raise it: a batch is never half-written by Ctrl-C."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield  # signal handlers can only be set from the main thread; someone else's handler stays
+        return
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda number, frame: caught.append(number))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise KeyboardInterrupt
+
+
 def _append_rows(path: Path, rows: Sequence[dict]) -> None:
     """Append rows with one write, then flush and fsync, so a kill leaves at most one partial batch."""
     text = "".join(json.dumps(row, default=str) + "\n" for row in rows)
-    with open(path, "a", encoding="utf-8") as f:
+    with _interrupt_deferred(), open(path, "a", encoding="utf-8") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
@@ -283,7 +340,7 @@ def _key(row: dict) -> str:
 
 
 def _check_identity(folder: Path, identity: dict, attempt: dict) -> None:
-    """Refuse a folder holding another run; record this attempt in run.json."""
+    """Refuse a folder holding another run's samples; record this attempt in run.json."""
     path = folder / RUN_FILE
     identity = json.loads(json.dumps(identity, default=str))  # compare as stored (tuples become lists)
     run = json.loads(path.read_text()) if path.is_file() else {"identity": identity, "attempts": []}
@@ -291,6 +348,12 @@ def _check_identity(folder: Path, identity: dict, attempt: dict) -> None:
     # The options as typed are not compared: `--option window=4` and the default window=4 resolve alike.
     diffs = [f"{k}: {old.get(k)!r} in the folder, {identity.get(k)!r} now"
              for k in sorted(set(old) | set(identity)) if k != "options" and old.get(k) != identity.get(k)]
+    if diffs and _saved_samples(folder) == 0:
+        # A run that died before its first batch (a bad option, a prompt too long) left only run.json:
+        # there is nothing to protect, so the corrected command takes the folder over.
+        print(f"dllm eval: {folder} holds a run that saved no samples ({'; '.join(diffs)}); replacing it",
+              file=sys.stderr)
+        run, diffs = {"identity": identity, "attempts": []}, []
     if diffs:
         raise EvalError(f"{folder} holds a different run ({'; '.join(diffs)}); "
                         "use another --output or remove the folder")
@@ -309,6 +372,26 @@ def _prepare_folder(folder: Path, identity: dict, attempt: dict) -> str | None:
     except EvalError as error:
         return str(error)
     return None
+
+
+def _resume_notes(folder: Path, job: _Job, batches: list[list[_Item]]) -> list[str]:
+    """What a rerun into a folder with samples should tell the user: progress, --limit, batch size at T > 0."""
+    done = {_key(r) for r in load_samples(folder / SAMPLES_FILE)}
+    if not done:
+        return []
+    planned = {job.key(i) for items in batches for i in items}
+    ours, config = len(planned & done), job.config
+    notes = [f"resuming: {ours} of {len(planned)} done" + (" (nothing left to decode)" if ours == len(planned) else "")]
+    if len(done) > ours:
+        asks = f"this --limit {config.limit} asks for" if config.limit is not None else "this run plans"
+        notes.append(f"note: {folder} already holds {len(done)} samples, more than the {len(planned)} {asks}; "
+                     f"the summary covers all {len(done)} (use another --output for a run of these problems only)")
+    before = {a["batch_size"] for a in json.loads((folder / RUN_FILE).read_text())["attempts"][:-1]}
+    if config.temperature > 0 and ours < len(planned) and before - {config.batch_size}:
+        notes.append(f"warning: --batch-size {config.batch_size} differs from {sorted(before)} used before in this "
+                     f"folder; at temperature {config.temperature:g} a sample depends on its batch mates, so the rest "
+                     "will not match an uninterrupted run (rerun with the earlier --batch-size to match it)")
+    return notes
 
 
 def _finish(folder: Path) -> dict:
@@ -342,7 +425,7 @@ def _load(name: str, config: EvalConfig):
     try:
         device = _device(config)
         return dllm.load(name, kind=config.kind, device=device, dtype=resolve_dtype(config.dtype, device, "--dtype"))
-    except (FileNotFoundError, ValueError) as error:
+    except (OSError, ValueError) as error:  # OSError: transformers' word for a hub id it cannot reach
         raise EvalError(f"cannot load {name}: {error}") from None
 
 
@@ -380,6 +463,8 @@ def _build_task(config: EvalConfig):
     except TypeError as error:
         raise EvalError(f"task {config.task!r} does not take one of {sorted(config.task_options())}: {error}") \
             from None
+    except ValueError as error:  # an option value the task refuses; its message names the option
+        raise EvalError(f"task {config.task!r}: {error}") from None
 
 
 def _git_commit() -> str | None:
@@ -460,11 +545,48 @@ def _prompt_text(task, problem: dict, tokenizer) -> str:
 
 def _make_job(config: EvalConfig, model, task, options: dict) -> _Job:
     tokenizer = model.tokenizer
-    problems = task.load(config.limit)
-    prompts = [_prompt_text(task, p, tokenizer) for p in problems]
+    try:
+        problems = task.load(config.limit)
+        prompts = [_prompt_text(task, p, tokenizer) for p in problems]  # few-shot examples load here
+    except (DataError, FileNotFoundError) as error:  # the message names the file, line and field
+        raise EvalError(str(error)) from None
     # Chat text already holds the template's special tokens; plain prompts get the tokenizer's (e.g. BOS).
     encoded = tokenizer(prompts, add_special_tokens=not config.chat)["input_ids"]
     return _Job(config, model, task, problems, prompts, encoded, options, resolve(model))  # generate's default
+
+
+def _fit_context(job: _Job, model_name: str) -> int:
+    """Check every prompt + --max-new-tokens against the model's context before decoding; with
+    --truncate left, drop the prompts' oldest tokens instead (lm-eval's rule). Returns how many were cut."""
+    limit, new = context_length(job.model), job.config.max_new_tokens
+    room = max_prompt_length(job.model, new)  # the rule generate applies (one more token for causal models)
+    if room is None or not job.prompt_ids:
+        return 0
+    if room < 1:
+        raise EvalError(f"--max-new-tokens {new} leaves no room for a prompt in {model_name}'s context of {limit} "
+                        f"tokens; use --max-new-tokens {new - 1 + room} or fewer")
+    long = [i for i, ids in enumerate(job.prompt_ids) if len(ids) > room]
+    if not long:
+        return 0
+    if job.config.truncate == "left":
+        for i in long:
+            job.prompt_ids[i] = job.prompt_ids[i][-room:]
+        print(f"dllm eval: --truncate left: {len(long)} of {len(job.prompt_ids)} prompts cut to their last {room} "
+              f"tokens to fit {model_name}'s context of {limit} with --max-new-tokens {new}", file=sys.stderr)
+        return len(long)
+    first, longest = long[0], max(len(job.prompt_ids[i]) for i in long)
+    size = len(job.prompt_ids[first])
+    fixes = []
+    shots = getattr(job.task, "num_fewshot", 0)
+    if shots and not job.config.chat:
+        fixes.append(f"fewer few-shot examples (--num-fewshot below {shots})")
+    if longest < room + new:
+        fixes.append(f"fewer new tokens (--max-new-tokens {room + new - longest} fits every prompt)")
+    fixes.append(f"--truncate left, which keeps each prompt's last {room} tokens (as lm-eval does)")
+    raise EvalError(f"problem {job.problems[first]['id']}: its prompt is {size} tokens, and with --max-new-tokens "
+                    f"{new} needs {size + new} > {limit}, the context of {model_name} ({len(long)} of "
+                    f"{len(job.prompt_ids)} prompts do not fit, the longest {longest} tokens); use "
+                    + ", or ".join(fixes))
 
 
 def _batches(job: _Job) -> list[list[_Item]]:
@@ -615,16 +737,22 @@ def run(config: EvalConfig) -> dict | None:
     model = _load_model(config, model_name)
     options, resolved = _sampler_options(config, model)
     job = _make_job(config, model, task, options)
+    truncated = _fit_context(job, model_name)
     _say_unpadded(job)
     batches = _batches(job)
     ranks = _Ranks()
     try:
         folder = Path(config.output)
         attempt = _environment(config, model, ranks.world, sum(map(len, batches)))
+        if config.truncate is not None:
+            attempt["prompts_truncated"] = truncated
         error = _prepare_folder(folder, _identity(config, model_name, resolved), attempt) if ranks.rank == 0 else None
         error = ranks.broadcast(error)
         if error is not None:
             raise EvalError(error)
+        if ranks.rank == 0:
+            for note in _resume_notes(folder, job, batches):
+                print(f"dllm eval: {note}", file=sys.stderr)
         done = {_key(r) for r in load_samples(folder / SAMPLES_FILE)}
         todo = [(b, [i for i in items if job.key(i) not in done]) for b, items in enumerate(batches)
                 if b % ranks.world == ranks.rank]

@@ -16,7 +16,9 @@ from dllm.eval import runner
 from dllm.eval.report import parse_samples, summarize_folder
 
 REPO = Path(__file__).resolve().parents[1]
-DATA_DIR = REPO.parent / "shared" / "data"
+# shared/data sits beside the main checkout, or two levels up from a worktree (wt/NAME).
+DATA_DIR = next((d for d in (REPO.parent / "shared" / "data", REPO.parents[1] / "shared" / "data")
+                 if (d / "gsm8k_test.jsonl").is_file()), REPO.parent / "shared" / "data")
 needs_data = pytest.mark.skipif(not (DATA_DIR / "gsm8k_test.jsonl").is_file(), reason="shared/data not present")
 
 

@@ -80,6 +80,20 @@ def _padding_mask(attention_mask: Tensor | None, input_ids: Tensor) -> Tensor | 
     return None if bool(mask.all()) else mask
 
 
+# Where configs declare their context, in lm-eval's order (HFLM.max_length) plus LLaDA's max_sequence_length.
+CONTEXT_ATTRIBUTES = ("n_positions", "max_position_embeddings", "n_ctx", "max_sequence_length")
+
+
+def config_context_length(config) -> int | None:
+    """The first positive int among CONTEXT_ATTRIBUTES of the (text) config, else None (no declared limit)."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    for name in CONTEXT_ATTRIBUTES:
+        value = getattr(text, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
 class _HFAdapter:
     """Shared plumbing: the wrapped model, its tokenizer, special ids, device and dtype."""
 
@@ -99,6 +113,11 @@ class _HFAdapter:
     @property
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
+
+    @property
+    def context_length(self) -> int | None:
+        """The positions the checkpoint's config declares (prompt + new tokens), None if it declares none."""
+        return config_context_length(self.config)
 
     # Why padding cannot be honoured when accepts_attention_mask is False (subclasses say more).
     padding_note = "its forward takes no position_ids, so padding would shift every position"

@@ -464,6 +464,11 @@ class TransformerLM(nn.Module):
         """Number of parameters (tied embedding counted once)."""
         return sum(p.numel() for p in self.parameters())
 
+    @property
+    def context_length(self) -> int:
+        """Positions the rotary tables cover: prompt + new tokens may not exceed it (dllm.protocols)."""
+        return self.config.max_seq_len
+
     accepts_attention_mask = True  # capability flags read by the samplers (dllm.protocols)
     commits_prefix = True  # forward_cached(..., rows=, commit=n) folds a cache fill into a copies call
 

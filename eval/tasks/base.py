@@ -30,6 +30,7 @@ class Task:
     metric: str = ""  # the evaluate module shipped in dllm/eval/metrics (see dllm.eval.metrics)
     plain_stop: tuple[str, ...] = ()
     chat_stop: tuple[str, ...] = ()
+    subsets: tuple[str, ...] = ()  # the values the `subset` option takes (none: the task has no subsets)
 
     def __init__(self, *, chat: bool = False, data_file: str | None = None) -> None:
         self.chat = chat

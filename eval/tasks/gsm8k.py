@@ -28,6 +28,10 @@ __all__ = ["GSM8K", "format_qa_prompt", "qa_problems", "strip_calculator_annotat
 
 HUB_TEST = HubSource("openai/gsm8k", "main", "test")
 HUB_TRAIN = HubSource("openai/gsm8k", "main", "train")
+FIELDS = ("question", "answer")
+FEWSHOT_HELP = ("note that few-shot prompts need GSM8K's train split too: set DLLM_DATA_DIR to a folder holding "
+                "gsm8k_train.jsonl (and gsm8k_test.jsonl), or pass --num-fewshot 0 (Python: num_fewshot=0, or "
+                "fewshot_file=)")
 CHAT_INSTRUCTION = (
     "Solve the following math problem step by step. "
     'End your response with a final line of the form "The answer is N", where N is the final number.'
@@ -77,20 +81,29 @@ class GSM8K(Task):
         data_file: str | None = None,
         fewshot_file: str | None = None,
     ) -> None:
+        if isinstance(num_fewshot, bool) or not isinstance(num_fewshot, int) or num_fewshot < 0:
+            raise ValueError(f"num_fewshot must be an int >= 0, got {num_fewshot!r}")
         super().__init__(chat=chat, data_file=data_file)
         self.num_fewshot = num_fewshot
         self.fewshot_seed = fewshot_seed
         self.fewshot_file = fewshot_file
 
     def _load(self) -> list[dict]:
-        return qa_problems(load_records("gsm8k_test.jsonl", HUB_TEST, self.data_file), self.name)
+        local_help = None
+        if self.num_fewshot and not self.chat:
+            local_help = ("pass the file as --data-file FILE (Python: data_file=), or set DLLM_DATA_DIR to a folder "
+                          f"holding gsm8k_test.jsonl; {FEWSHOT_HELP}")
+        records = load_records("gsm8k_test.jsonl", HUB_TEST, self.data_file, FIELDS, local_help)
+        return qa_problems(records, self.name)
 
     @cached_property
     def fewshot_examples(self) -> list[dict]:
         """The few-shot train examples (fixed by `fewshot_seed`)."""
         if self.num_fewshot == 0:
             return []
-        train = load_records("gsm8k_train.jsonl", HUB_TRAIN, self.fewshot_file)
+        train = load_records("gsm8k_train.jsonl", HUB_TRAIN, self.fewshot_file, FIELDS, FEWSHOT_HELP)
+        if self.num_fewshot > len(train):
+            raise ValueError(f"num_fewshot={self.num_fewshot} is more than the {len(train)} train examples")
         indices = random.Random(self.fewshot_seed).sample(range(len(train)), self.num_fewshot)
         return [train[i] for i in indices]
 

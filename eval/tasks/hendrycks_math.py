@@ -32,6 +32,7 @@ SOURCES = {
     "500": ("math500_test.jsonl", HubSource("HuggingFaceH4/MATH-500", None, "test")),
     "full": ("math_test.jsonl", [HubSource("EleutherAI/hendrycks_math", c, "test") for c in SUBJECT_CONFIGS]),
 }
+FIELDS = ("problem", ("answer", "solution"))  # MATH-500 carries the answer; the full set's is in the solution
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
 
@@ -46,6 +47,7 @@ class MATH(Task):
     name = "math"
     metric = "math_accuracy"
     plain_stop = ("Problem:",)
+    subsets = tuple(SOURCES)
 
     def __init__(self, *, subset: str = "500", chat: bool = False, data_file: str | None = None) -> None:
         if subset not in SOURCES:
@@ -55,7 +57,7 @@ class MATH(Task):
 
     def _load(self) -> list[dict]:
         filename, hub = SOURCES[self.subset]
-        records = load_records(filename, hub, self.data_file)
+        records = load_records(filename, hub, self.data_file, FIELDS)
         return [
             {**r, "id": r.get("unique_id") or f"math/{r.get('idx', i)}", "reference": _reference_answer(r)}
             for i, r in enumerate(records)

@@ -16,6 +16,7 @@ from dllm.eval.tasks.base import CodeTask, Message, user_message
 __all__ = ["HumanEval"]
 
 HUB = HubSource("openai/openai_humaneval", None, "test")
+FIELDS = ("task_id", "prompt", "test", "entry_point")
 STOP = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#")
 
 
@@ -26,7 +27,7 @@ class HumanEval(CodeTask):
     plain_stop = STOP
 
     def _load(self) -> list[dict]:
-        return [{**r, "id": r["task_id"]} for r in load_records("humaneval.jsonl", HUB, self.data_file)]
+        return [{**r, "id": r["task_id"]} for r in load_records("humaneval.jsonl", HUB, self.data_file, FIELDS)]
 
     def _plain_prompt(self, problem: dict) -> str:
         return problem["prompt"]

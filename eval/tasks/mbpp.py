@@ -26,6 +26,7 @@ FEWSHOT_IDS = (2, 3, 4)
 TEST_IDS = range(11, 511)
 FILES = {"full": "mbpp.jsonl", "sanitized": "mbpp_sanitized.jsonl"}
 HUB_REPO = "google-research-datasets/mbpp"
+FIELDS = ("task_id", ("text", "prompt"), "code", "test_list")  # full: text; sanitized: prompt
 
 
 def _normalize_record(record: dict) -> dict:
@@ -54,6 +55,7 @@ class MBPP(CodeTask):
 
     name = "mbpp"
     plain_stop = ("[DONE]",)
+    subsets = tuple(FILES)
 
     def __init__(
         self,
@@ -76,7 +78,7 @@ class MBPP(CodeTask):
     def _records(self) -> dict[int, dict]:
         """All records of the source by task_id (the hub's prompt split supplies the examples)."""
         hub = [HubSource(HUB_REPO, self.subset, split) for split in ("prompt", "test")]
-        records = load_records(FILES[self.subset], hub, self.data_file)
+        records = load_records(FILES[self.subset], hub, self.data_file, FIELDS)
         return {int(r["task_id"]): _normalize_record(r) for r in records}
 
     def _load(self) -> list[dict]:

@@ -11,7 +11,7 @@ from importlib import resources
 from pathlib import Path
 
 from dllm.eval.data import read_records
-from dllm.eval.tasks.gsm8k import GSM8K, qa_problems
+from dllm.eval.tasks.gsm8k import FIELDS, GSM8K, qa_problems
 
 __all__ = ["Synthetic", "synthetic_data_path"]
 
@@ -33,4 +33,4 @@ class Synthetic(GSM8K):
         path = Path(self.data_file) if self.data_file else synthetic_data_path()
         if not path.is_file():
             raise FileNotFoundError(f"synthetic test set not found at {path}; pass data_file=")
-        return qa_problems(read_records(path), self.name)
+        return qa_problems(read_records(path, FIELDS), self.name)
