@@ -59,7 +59,7 @@ def run_guarded(command: str, run: Callable[[], int]) -> int:
 def _one_line(error: BaseException) -> str:
     message = " ".join(str(error).split()) or "(no message)"
     plain = (ValueError, TypeError, FileNotFoundError, RuntimeError, ImportError)
-    return message if type(error) in plain or isinstance(error, UserError) else f"{type(error).__name__}: {message}"
+    return message if isinstance(error, (*plain, UserError)) else f"{type(error).__name__}: {message}"
 
 
 class UserError(Exception):

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from fixtures.hf import builders
+from fixtures.hf.remote_checkpoints import auto_registrations_restored
 
 import dllm
 from dllm.models.hf import config_context_length
@@ -111,7 +112,8 @@ def _remote_config(family: str, class_name: str):
         pytest.skip(f"{path} not present")
     spec = importlib.util.spec_from_file_location(f"configuration_{family}_fixture", path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    with auto_registrations_restored():  # LLaDA's module registers "llada" globally on import
+        spec.loader.exec_module(module)
     return getattr(module, class_name)(**json.loads((REMOTE / family / "config.tiny.json").read_text()))
 
 

@@ -132,7 +132,7 @@ def test_exact_with_two_stop_ids(oracle, sampler, options):
     ids = (2, 3)
     law = stopped_law(sequential_distribution(oracle, PROMPT, GEN, order=options.get("order", "left_to_right")), ids)
     out = dllm.generate(oracle, PROMPT.expand(N_SAMPLES, -1), sampler=sampler, max_new_tokens=GEN, eos_token_id=ids,
-                        generator=torch.Generator().manual_seed(1), **options)
+                        temperature=1.0, generator=torch.Generator().manual_seed(1), **options)
     answers = out.sequences[:, PROMPT.numel():]
     assert chi_square_pvalue(answers, law) > ALPHA
     assert chi_square_pvalue(old_rule(answers, ids), law) < 1e-6
@@ -148,7 +148,7 @@ def test_exact_with_two_stop_ids_under_the_block_cache(block_model, sampler, opt
         law = stopped_law(sequential_distribution(block_model, prompt, GEN, block_length=2,
                                                   order=options.get("order", "left_to_right")), ids)
         out = dllm.generate(block_model, prompt.expand(N_SAMPLES, -1), sampler=sampler, max_new_tokens=GEN,
-                            block_length=2, cache="block", eos_token_id=ids,
+                            block_length=2, cache="block", eos_token_id=ids, temperature=1.0,
                             generator=torch.Generator().manual_seed(2), **options)
     answers = out.sequences[:, prompt.numel():]
     assert out.options["cache"] == "block"
@@ -218,7 +218,7 @@ def test_empty_prompt_on_a_model_without_a_cache():
     oracle = HMMOracle.random(num_states=3, num_tokens=3, seed=0)
     law = sequential_distribution(oracle, torch.zeros(0, dtype=torch.long), 2)
     out = dllm.generate(oracle, torch.zeros((4000, 0), dtype=torch.long), sampler="fef", max_new_tokens=2,
-                        window=2, generator=torch.Generator().manual_seed(0))
+                        window=2, temperature=1.0, generator=torch.Generator().manual_seed(0))
     assert chi_square_pvalue(out.sequences, law) > ALPHA
 
 

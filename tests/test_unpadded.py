@@ -158,10 +158,10 @@ def test_eval_on_remote_code_that_ignores_the_mask_equals_code_that_honours_it(t
     """The LLaDA stand-ins (same weights; one ignores attention_mask, as old LLaDA snapshots did) at T=0."""
     ignores = builders.save_llada(tmp_path / "ignores", honours_attention_mask=False)
     honours = builders.save_llada(tmp_path / "honours", honours_attention_mask=True)
-    if dllm.load(ignores).accepts_attention_mask:
-        pytest.skip("this folder now loads without its remote code, which honours padding")
+    if dllm.load(ignores, kind="remote").accepts_attention_mask:  # its own code (native LLaDA honours padding)
+        pytest.skip("this folder's remote code now honours padding")
     args = ["synthetic", "--limit", "4", "--batch-size", "4", "--max-new-tokens", "4", "--sampler", "llada",
-            "--no-progress"]
+            "--no-progress", "--kind", "remote"]
     assert runner.main(args + ["--model", str(honours), "--output", str(tmp_path / "padded")]) == 0
     capsys.readouterr()
     assert runner.main(args + ["--model", str(ignores), "--output", str(tmp_path / "grouped")]) == 0
