@@ -212,6 +212,16 @@ def test_unknown_and_misfit_tensors_are_refused(tmp_path):
                         lambda n: Target("nowhere.weight") if n == "lm_head.weight" else rename(n))
 
 
+def test_a_dtype_safetensors_has_but_torch_loading_does_not_read_is_refused_by_name(tmp_path):
+    """An unsigned 32-bit tensor (safetensors "U32") is named with its dtype, not a bare KeyError('U32')."""
+    state = hub_state()
+    name = "model.layers.0.input_layernorm.weight"
+    state[name] = state[name].float().view(torch.uint32)
+    with pytest.raises(ValueError, match=rf"'{name}' in \S+ has safetensors dtype U32, which is not read "
+                                         r"\(allowed: \["):
+        load_checkpoint(empty_tiny(), save_sharded(tmp_path / "u32", state), rename)
+
+
 def test_bad_arguments_and_folders(tmp_path):
     folder = save_sharded(tmp_path / "ckpt", hub_state())
     with pytest.raises(ValueError, match="pass device= or device_map=, not both"):

@@ -99,3 +99,21 @@ def test_projection_never_replays_block_cached_shapes_on_a_bidirectional_target(
     assert "| configuration | tiny | tiny-bidirectional | tiny+block4 |" in text
     assert "| sequential | - | no | yes |" in text and "| sequential no-cache | - | yes | yes |" in text
     assert "- sequential on tiny-bidirectional: its calls cover one block" in text
+
+
+@pytest.mark.xfail(strict=True, reason="review11: eval/cost_model.arch_config keeps its own copy of the hub config "
+                   "mapping; fix by reading dllm.models.loading.detect_kind and dllm.models.native's mappers")
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_a_hub_folder_gets_the_shape_and_layout_dllm_load_gives_it(tmp_path, family):
+    """The cost model's architecture of a hub-layout folder is the one dllm.load builds from it: LLaDA's MLP
+    width from mlp_ratio when mlp_hidden_size is null, Dream bidirectional whatever the model_type's case."""
+    from fixtures.hf.remote_checkpoints import REMOTE_CODE
+
+    from dllm.models.native import dream_config, llada_config
+
+    config = json.loads((REMOTE_CODE / family / "config.tiny.json").read_text())
+    config.update({"mlp_hidden_size": None, "mlp_ratio": 3} if family == "llada" else {"model_type": "dream"})
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    native = (llada_config if family == "llada" else dream_config)(config, 5, 1, 1)
+    got = cost_model.arch_config(str(tmp_path))
+    assert got["mlp_hidden"] == native.mlp_hidden and got["layout"] == native.layout

@@ -361,3 +361,25 @@ def test_native_sampler_points_to_the_remote_code(folders):
     """sampler='native' is Dream's own diffusion_generate, i.e. its hub code: the native model says where it is."""
     with pytest.raises(TypeError, match=r"NativeLM has none .*trust_remote_code=True"):
         dllm.generate(dllm.load(folders("dream")), PROMPTS[:1], sampler="native", max_new_tokens=4)
+
+
+def test_transformers_5_rope_parameters_are_read_or_refused(tmp_path, folders):
+    """Configs saved by transformers 5 keep RoPE theta (and any scaling) only in ``rope_parameters``: the
+    theta must be read there (not defaulted to 10000: silently wrong logits), a scaled rotary refused."""
+    folder = make_dream_folder(tmp_path / "t5")
+    config = json.loads((folder / "config.json").read_text())
+    theta = config.pop("rope_theta")
+    config.pop("rope_scaling")
+    config["rope_parameters"] = {"rope_theta": theta, "rope_type": "default"}
+    (folder / "config.json").write_text(json.dumps(config))
+    ids = torch.randint(0, 300, (1, 9), generator=torch.Generator().manual_seed(8))
+    model = dllm.load(folder)
+    assert model.config.rope_theta == theta
+    torch.testing.assert_close(model(ids), dllm.load(folders("dream"))(ids), atol=0, rtol=0)
+    for parameters, message in [({"rope_theta": theta, "rope_type": "linear", "factor": 2.0}, "rope_type='linear'"),
+                                ({"rope_theta": 10000.0, "rope_type": "default"}, "differ")]:
+        config["rope_parameters"] = parameters
+        config["rope_theta"] = theta
+        (folder / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ValueError, match=message):
+            dllm.load(folder)

@@ -147,3 +147,32 @@ def test_cli_says_it_in_one_line(llada):
     assert run.returncode != 0 and "Traceback" not in run.stderr
     last = run.stderr.strip().splitlines()[-1]
     assert last.startswith("dllm generate: loading ") and "post_init()" in last and "transformers<5" in last
+
+
+def test_a_hub_id_is_checked_against_its_cached_snapshot_too(tmp_path, monkeypatch):
+    """kind='remote' on a hub id: the tensors its snapshot lacks are refused as for a local folder (offline:
+    the config read, the download and the snapshot lookup are faked onto a local folder)."""
+    import json
+
+    import huggingface_hub
+
+    import dllm.models.loading as loading
+
+    folder = builders.save_llada(tmp_path / "llada")
+    state = load_file(folder / "model.safetensors")
+    dropped = sorted(k for k in state if k.endswith("weight"))[0]
+    del state[dropped]
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    real_load_hf = loading._load_hf
+    config = json.loads((folder / "config.json").read_text())
+    monkeypatch.setattr(loading, "_config_dict", lambda name, local, kw: config)
+    monkeypatch.setattr(loading, "_load_hf", lambda name, kind, local, *args: real_load_hf(str(folder), kind, folder,
+                                                                                          *args))
+    looked_up = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download",
+                        lambda name, **kw: looked_up.append((name, kw)) or str(folder))
+    with pytest.raises(RemoteCodeError, match=rf"org/llada: its checkpoint holds no tensor for 1 of the model's "
+                                              rf"\('{re.escape(dropped)}'\)"):
+        load("org/llada", kind="remote", revision="main")
+    assert looked_up[0][0] == "org/llada" and looked_up[0][1]["local_files_only"] is True
+    assert looked_up[0][1]["revision"] == "main"

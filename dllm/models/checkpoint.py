@@ -108,7 +108,11 @@ def _plan(module: nn.Module, folder: Path, rename) -> list[_Entry]:
                     continue
                 if target is not None:
                     view = file.get_slice(name)
-                    entries.append(_Entry(name, shard, tuple(view.get_shape()), _DTYPES[view.get_dtype()], target))
+                    kind = view.get_dtype()
+                    if kind not in _DTYPES:
+                        raise ValueError(f"{folder}: hub tensor {name!r} in {shard} has safetensors dtype {kind}, "
+                                         f"which is not read (allowed: {sorted(_DTYPES)})")
+                    entries.append(_Entry(name, shard, tuple(view.get_shape()), _DTYPES[kind], target))
     if unknown:
         raise ValueError(f"{folder}: {len(unknown)} tensor(s) this {type(module).__name__} does not know "
                          f"(a different architecture or variant?): {_few(unknown)}")

@@ -198,10 +198,23 @@ def _load_remote(name: str, family: str, local: Path | None, device, dtype, kw: 
     kw["trust_remote_code"] = True
     with guard(name, family):
         adapter = _load_hf(name, family, local, device, dtype, kw)
-    if local is not None:
-        check_weights(adapter.model, local, name)
+    folder = local if local is not None else _hub_snapshot(name, kw)
+    if folder is not None:
+        check_weights(adapter.model, folder, name)
     check_rotary(adapter.model, adapter.model.config, name)
     return adapter
+
+
+def _hub_snapshot(name: str, kw: dict) -> Path | None:
+    """The cached snapshot folder from_pretrained just read for hub id ``name`` (no download), or None."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    hub = {k: kw[k] for k in ("revision", "token", "cache_dir") if k in kw}
+    try:
+        return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors"], local_files_only=True, **hub))
+    except LocalEntryNotFoundError:  # not in the cache as such: no tensor names to check against
+        return None
 
 
 def _diffusion_gemma_class():

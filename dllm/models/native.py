@@ -101,6 +101,25 @@ _DREAM_SUPPORTED = {
 }
 
 
+def _rope_theta(hub: dict, family: str, default: float) -> float:
+    """RoPE theta from ``rope_theta`` or transformers 5's ``rope_parameters`` (configs it saves keep theta only
+    there); a rotary type other than "default" (linear, yarn, ...) is refused, as is a theta the two disagree on."""
+    parameters = hub.get("rope_parameters")
+    if parameters is None:
+        return float(hub.get("rope_theta", default))
+    if not isinstance(parameters, dict):
+        raise ValueError(f"native {family}: config.json rope_parameters must be a dict, got {parameters!r}")
+    kind = parameters.get("rope_type", parameters.get("type", "default"))
+    if kind != "default":
+        raise ValueError(f"native {family}: config.json rope_parameters rope_type={kind!r} is not supported "
+                         f"(allowed: ['default']); load with kind='remote' to run the checkpoint's own code")
+    theta = parameters.get("rope_theta", hub.get("rope_theta", default))
+    if "rope_theta" in hub and float(hub["rope_theta"]) != float(theta):
+        raise ValueError(f"native {family}: config.json rope_theta={hub['rope_theta']!r} and "
+                         f"rope_parameters['rope_theta']={theta!r} differ; fix the config to the model's value")
+    return float(theta)
+
+
 def llada_config(hub: dict, mask_token_id: int, eos_token_id, pad_token_id) -> TransformerConfig:
     """TransformerConfig of a LLaDA config.json (configuration_llada.py's keys and defaults)."""
     _require(hub, "llada", _LLADA_SUPPORTED)
@@ -112,7 +131,7 @@ def llada_config(hub: dict, mask_token_id: int, eos_token_id, pad_token_id) -> T
         vocab_size=hub.get("embedding_size") or hub.get("vocab_size", 50257),  # the output layer's rows
         dim=dim, n_layers=hub.get("n_layers", 12), n_heads=heads, n_kv_heads=n_kv,
         mlp_hidden=hub.get("mlp_hidden_size") or hub.get("mlp_ratio", 4) * dim,
-        max_seq_len=hub.get("max_sequence_length", 1024), rope_theta=float(hub.get("rope_theta", 10000.0)),
+        max_seq_len=hub.get("max_sequence_length", 1024), rope_theta=_rope_theta(hub, "llada", 10000.0),
         layout="bidirectional", mask_token_id=mask_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
         norm_eps=float(hub.get("rms_norm_eps", 1e-5)), tie_embeddings=bool(hub.get("weight_tying", True)),
         qkv_bias=bool(hub.get("include_qkv_bias") or False))
@@ -126,7 +145,7 @@ def dream_config(hub: dict, mask_token_id: int, eos_token_id, pad_token_id) -> T
         vocab_size=hub.get("vocab_size", 151936), dim=hub.get("hidden_size", 4096),
         n_layers=hub.get("num_hidden_layers", 32), n_heads=heads, n_kv_heads=hub.get("num_key_value_heads") or heads,
         mlp_hidden=hub.get("intermediate_size", 22016), max_seq_len=hub.get("max_position_embeddings", 32768),
-        rope_theta=float(hub.get("rope_theta", 10000.0)), layout="bidirectional", mask_token_id=mask_token_id,
+        rope_theta=_rope_theta(hub, "dream", 10000.0), layout="bidirectional", mask_token_id=mask_token_id,
         eos_token_id=eos_token_id, pad_token_id=pad_token_id, norm_eps=float(hub.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hub.get("tie_word_embeddings", False)), qkv_bias=True, shift_logits=True)
 
