@@ -571,31 +571,31 @@ def _recorded_max_new(folder: Path) -> int | None:
 
 def default_max_new(config: EvalConfig, model, prompt_ids: Sequence[list[int]], model_name: str) -> EvalConfig:
     """Fill an unset --max-new-tokens: MAX_NEW_TOKENS, capped at the room the longest prompt leaves in the
-    model's context (whole blocks), said in one line; with --truncate left, capped at half the context
-    instead. A folder's earlier value is kept when it fits, so a resume with another --limit matches.
-    An explicit value is left to _fit_context, which checks it strictly."""
+    model's context (whole blocks), said in one line; half the context with --truncate left or when a prompt
+    cannot fit at all (then _fit_context names it and the fixes). A folder's earlier value is kept when it
+    fits, so a resume with another --limit matches. An explicit value is left to _fit_context's strict check."""
     if config.max_new_tokens is not None:
         return config
     new, limit = MAX_NEW_TOKENS, context_length(model)
     if limit is None:
         return replace(config, max_new_tokens=new)
     longest = max(map(len, prompt_ids), default=0)
-    causal = 1 if is_causal_model(model) else 0  # max_prompt_length's rule, solved for max_new_tokens
-    room = limit // 2 if config.truncate is not None else limit - longest + causal
+    fits = limit - longest + (1 if is_causal_model(model) else 0)  # max_prompt_length's rule, solved for new
+    halved = config.truncate is not None or fits < 1
+    room = limit // 2 if halved else fits
     block = config.options.get("block_length")
     block = block if isinstance(block, int) and not isinstance(block, bool) else getattr(model, "block_size", None)
     if isinstance(block, int) and block > 0 and room >= block:
         room -= room % block  # whole blocks: the default block_length stays the model's own
     recorded = _recorded_max_new(Path(config.output))
-    if recorded is not None and (config.truncate is not None or recorded <= limit - longest + causal):
+    if recorded is not None and (config.truncate is not None or recorded <= fits):
         return replace(config, max_new_tokens=recorded)
     if 1 <= room < new:
-        why = (f"half of {model_name}'s context of {limit}, as --truncate left keeps the rest for the prompt"
-               if config.truncate is not None else
+        why = (f"half of {model_name}'s context of {limit}, the rest for the prompt" if halved else
                f"the longest prompt, {longest} tokens, leaves {room} of {model_name}'s context of {limit}")
         print(f"dllm eval: --max-new-tokens {room} (the default {new} capped: {why})", file=sys.stderr)
         new = room
-    return replace(config, max_new_tokens=new)  # no room at all: _fit_context names the fixes
+    return replace(config, max_new_tokens=new)
 
 
 def _fit_context(job: _Job, model_name: str) -> int:

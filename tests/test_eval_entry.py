@@ -219,6 +219,16 @@ def test_the_default_max_new_tokens_fits_the_context(tiny_model, tmp_path, capsy
     assert "prompts do not fit" in _error(capsys)
 
 
+def test_the_default_max_new_tokens_with_a_prompt_that_cannot_fit(tiny_model, tmp_path, capsys):
+    """A prompt longer than the whole context: the default leaves half the context to prompts, and the refusal
+    names the problem and the fixes (not "--max-new-tokens 256 leaves no room")."""
+    data = _qa_file(tmp_path / "p.jsonl", ["What is 1 + 1?", "Tom has 3 apples. Anna has 5 pens. " * 6])
+    assert runner.main(_default_args(tiny_model, tmp_path / "o", "--data-file", str(data))) == 2
+    err = capsys.readouterr().err
+    assert "--max-new-tokens 32 (the default 256 capped: half of" in err
+    assert "problem q1: its prompt is" in err and "with --max-new-tokens 32" in err and "--truncate left" in err
+
+
 def test_the_default_max_new_tokens_of_the_shipped_models(tmp_path):
     """The shipped models (256 positions) with synthetic prompts: the cap solves generate's own rule exactly."""
     task = get_task("synthetic")
