@@ -14,6 +14,9 @@ TEMPERATURE = 0.0
 # window 8 with marginal drafts, 555.5 tok/s; stale drafts carry more tokens per call but ran at 428.3).
 FEF_WINDOW = 8
 FEF_DRAFT = "marginal"
+# New tokens per answer: enough for a GSM8K chain of thought. `dllm eval` caps this default at what the
+# model's context leaves after the longest prompt (an explicit --max-new-tokens is checked strictly).
+MAX_NEW_TOKENS = 256
 DTYPE = "auto"  # see auto_dtype
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 

@@ -36,6 +36,8 @@ _STRICT_RES = (
     re.compile(rf"####\s*({_NUMBER})"),
     re.compile(rf"(?i:the\s+(?:final\s+)?answer\s+is)\s*:?\s*({_NUMBER})"),
 )
+# An equation right after "The answer is N" (`5 + 3 = 8`): the statement's answer is its result, after the last `=`.
+_EQUATION_RE = re.compile(rf"(?:\s*(?:[-+*/×÷=]|\\times|\\cdot)\s*(?:{_NUMBER}))+")
 _FINAL_ANSWER_RE = re.compile(r"(?i:final\s+answer\s+is)\s*:?\s*(.+?)\s*(?:\.?\s*I hope|\n|$)")
 
 
@@ -92,18 +94,28 @@ def _boxed_number(content: str) -> str | None:
     return normalize_number(match.group(1)) if match else None
 
 
+def _equation_result(number: str, text: str, end: int) -> str | None:
+    """The stated ``number`` (ending at ``end`` in ``text``), or the result of the equation it starts
+    ("The answer is 5 + 3 = 8." states 8); an expression without `=` leaves the number as stated."""
+    chain = _EQUATION_RE.match(text, end)
+    if chain is None or "=" not in chain.group(0):
+        return normalize_number(number)
+    return normalize_number(_NUMBER_RE.findall(chain.group(0).rsplit("=", 1)[1])[0])
+
+
 def extract_stated_number(text: str) -> str | None:
     r"""The answer a completion states explicitly, normalised; None when it states none.
 
     The first `#### N` wins (GSM8K's end-of-solution marker: what follows is the model running on);
-    otherwise the last "The (final) answer is N" or numeric `\boxed{N}`, as a later statement
-    corrects an earlier one. Text after the statement, numbers included, does not count.
+    otherwise the last "The (final) answer is N" (the result when N starts an equation: "5 + 3 = 8") or
+    numeric `\boxed{N}`, as a later statement corrects an earlier one. Text after the statement, numbers
+    included, does not count.
     """
     text = text.replace("\u2212", "-")
     marked = _STRICT_RES[0].search(text)
     if marked:
         return normalize_number(marked.group(1))
-    stated = [(m.start(), normalize_number(m.group(1))) for m in _STRICT_RES[1].finditer(text)]
+    stated = [(m.start(), _equation_result(m.group(1), text, m.end())) for m in _STRICT_RES[1].finditer(text)]
     for match in re.finditer(r"\\(?:boxed|fbox)\s*\{", text):
         content = _balanced_group(text, match.end() - 1)
         number = None if content is None else _boxed_number(content)

@@ -124,19 +124,21 @@ def _options_text(summary: dict) -> str:
 
 def markdown_table(summaries: Sequence[dict], folders: Sequence[str | Path] | None = None) -> str:
     """One row per run, named by its folder: task x sampler with accuracy, speed, NFE and acceptance length.
+    The token budget is shown: `dllm eval`'s default depends on the context and the longest prompt.
 
     Runs that differ only in what the table does not show (seed, dtype, task options) stay told apart.
     """
     folders = folders if folders is not None else ["-"] * len(summaries)
-    header = ("| run | task | sampler | options | model | T | n | metric | score | tokens/s | NFE | tokens/call "
-              "| acceptance length |")
+    header = ("| run | task | sampler | options | model | T | new tokens | n | metric | score | tokens/s | NFE "
+              "| tokens/call | acceptance length |")
     lines = [header, "|" + " --- |" * (header.count("|") - 1)]
     for folder, s in zip(folders, summaries):
         name, value = _headline(s)
         speed = s["speed"]
         lines.append(
             f"| {folder} | {s['task']} | {s['sampler']} | {_options_text(s)} | {Path(str(s['model'])).name} "
-            f"| {s['config']['temperature']:g} | {s['counts']['samples']} | {name} | {value:.3f} "
+            f"| {s['config']['temperature']:g} | {s['config'].get('max_new_tokens', '-')} | {s['counts']['samples']} "
+            f"| {name} | {value:.3f} "
             f"| {speed['tokens_per_second']:.1f} | {speed['nfe']} | {speed['tokens_per_call']:.2f} "
             f"| {speed['mean_acceptance_length']:.2f} |"
         )

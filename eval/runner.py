@@ -57,7 +57,7 @@ from typing import Any
 import torch
 
 import dllm
-from dllm.defaults import DTYPE, DTYPES, TEMPERATURE, resolve_dtype
+from dllm.defaults import DTYPE, DTYPES, MAX_NEW_TOKENS, TEMPERATURE, resolve_dtype
 from dllm.eval.answers import truncate_at_stop
 from dllm.eval.data import DataError
 from dllm.eval.report import RUN_FILE, SAMPLES_FILE, SUMMARY_FILE, load_samples, parse_samples, summarize_folder
@@ -93,7 +93,7 @@ class EvalConfig:
     device: str | None = None  # None: cuda:LOCAL_RANK when CUDA is available, else CPU
     sampler: str = "fef"
     options: dict[str, Any] = field(default_factory=dict)
-    max_new_tokens: int = 256
+    max_new_tokens: int | None = None  # None: MAX_NEW_TOKENS, capped at what the context leaves (default_max_new)
     temperature: float = TEMPERATURE
     limit: int | None = None
     batch_size: int = 8
@@ -169,7 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="sampler option, repeatable: --option window=4 --option order=confidence; "
                         "--option drafter=PATH loads an ar_spec drafter with dllm.load")
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=int, help=f"default {MAX_NEW_TOKENS}, or less where the model's context "
+                   "leaves less room after the longest prompt (an explicit value is checked strictly)")
     p.add_argument("--temperature", type=float, default=TEMPERATURE, help=f"0 is greedy (default {TEMPERATURE})")
     p.add_argument("--limit", type=int, help="first N problems only")
     p.add_argument("--batch-size", type=int, default=8)
@@ -543,7 +544,8 @@ def _prompt_text(task, problem: dict, tokenizer) -> str:
     return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
 
 
-def _make_job(config: EvalConfig, model, task, options: dict) -> _Job:
+def _encode(config: EvalConfig, model, task) -> tuple[list[dict], list[str], list[list[int]]]:
+    """The problems, their prompt texts and prompt token ids."""
     tokenizer = model.tokenizer
     try:
         problems = task.load(config.limit)
@@ -551,8 +553,49 @@ def _make_job(config: EvalConfig, model, task, options: dict) -> _Job:
     except (DataError, FileNotFoundError) as error:  # the message names the file, line and field
         raise EvalError(str(error)) from None
     # Chat text already holds the template's special tokens; plain prompts get the tokenizer's (e.g. BOS).
-    encoded = tokenizer(prompts, add_special_tokens=not config.chat)["input_ids"]
-    return _Job(config, model, task, problems, prompts, encoded, options, resolve(model))  # generate's default
+    return problems, prompts, tokenizer(prompts, add_special_tokens=not config.chat)["input_ids"]
+
+
+def _make_job(config: EvalConfig, model, task, options: dict) -> _Job:
+    return _Job(config, model, task, *_encode(config, model, task), options, resolve(model))  # generate's stop ids
+
+
+def _recorded_max_new(folder: Path) -> int | None:
+    """The --max-new-tokens a folder's earlier run used (None: no earlier run), so a default resumes alike."""
+    try:
+        value = json.loads((folder / RUN_FILE).read_text())["identity"]["max_new_tokens"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return value if isinstance(value, int) and value >= 1 else None
+
+
+def default_max_new(config: EvalConfig, model, prompt_ids: Sequence[list[int]], model_name: str) -> EvalConfig:
+    """Fill an unset --max-new-tokens: MAX_NEW_TOKENS, capped at the room the longest prompt leaves in the
+    model's context (whole blocks), said in one line; half the context with --truncate left or when a prompt
+    cannot fit at all (then _fit_context names it and the fixes). A folder's earlier value is kept when it
+    fits, so a resume with another --limit matches. An explicit value is left to _fit_context's strict check."""
+    if config.max_new_tokens is not None:
+        return config
+    new, limit = MAX_NEW_TOKENS, context_length(model)
+    if limit is None:
+        return replace(config, max_new_tokens=new)
+    longest = max(map(len, prompt_ids), default=0)
+    fits = limit - longest + (1 if is_causal_model(model) else 0)  # max_prompt_length's rule, solved for new
+    halved = config.truncate is not None or fits < 1
+    room = limit // 2 if halved else fits
+    block = config.options.get("block_length")
+    block = block if isinstance(block, int) and not isinstance(block, bool) else getattr(model, "block_size", None)
+    if isinstance(block, int) and block > 0 and room >= block:
+        room -= room % block  # whole blocks: the default block_length stays the model's own
+    recorded = _recorded_max_new(Path(config.output))
+    if recorded is not None and (config.truncate is not None or recorded <= fits):
+        return replace(config, max_new_tokens=recorded)
+    if 1 <= room < new:
+        why = (f"half of {model_name}'s context of {limit}, the rest for the prompt" if halved else
+               f"the longest prompt, {longest} tokens, leaves {room} of {model_name}'s context of {limit}")
+        print(f"dllm eval: --max-new-tokens {room} (the default {new} capped: {why})", file=sys.stderr)
+        new = room
+    return replace(config, max_new_tokens=new)
 
 
 def _fit_context(job: _Job, model_name: str) -> int:
@@ -735,8 +778,10 @@ def run(config: EvalConfig) -> dict | None:
     task = _build_task(config)
     model_name = config.model or default_model(config.sampler)
     model = _load_model(config, model_name)
+    problems, prompts, prompt_ids = _encode(config, model, task)
+    config = default_max_new(config, model, prompt_ids, model_name)
     options, resolved = _sampler_options(config, model)
-    job = _make_job(config, model, task, options)
+    job = _Job(config, model, task, problems, prompts, prompt_ids, options, resolve(model))  # generate's stop ids
     truncated = _fit_context(job, model_name)
     _say_unpadded(job)
     batches = _batches(job)

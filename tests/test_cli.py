@@ -276,3 +276,19 @@ def test_demo_header_says_why_it_runs(capsys):
     assert main(["generate", "--demo", "--max-new-tokens", "4"]) == 0
     header = capsys.readouterr().out.splitlines()[0]
     assert header.startswith("HMM oracle demo (--demo;") and "no model files" not in header
+
+
+@pytest.mark.xfail(strict=True, reason="dllm/__init__.py imports dllm.api (torch, transformers) eagerly, so the "
+                   "console script's `from dllm.cli import main` spends seconds in imports before run_guarded can "
+                   "catch Ctrl-C (a traceback, issue 12 item 9); fix: lazy public names in dllm/__init__.py "
+                   "(module __getattr__), outside this branch's files")
+def test_ctrl_c_while_the_cli_starts_is_one_line():
+    """Ctrl-C in the seconds `dllm eval` spends starting up ends in one line: the entry module imports
+    nothing heavy before main's guard (measured: SIGINT 0.3-4 s after `dllm eval synthetic` starts gave an
+    import traceback; at 9 s, the one-line message)."""
+    import subprocess
+    import sys
+
+    code = "import sys, dllm.cli; print([m for m in ('torch', 'transformers') if m in sys.modules])"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"

@@ -192,6 +192,56 @@ def test_truncate_left_keeps_the_last_tokens_as_lm_eval_does(tiny_model, tmp_pat
                                                         task.stop)
 
 
+def _default_args(model: Path, out: Path, *extra: str) -> list[str]:
+    """_args without --max-new-tokens: the default applies."""
+    args = _args(model, out, *extra)
+    del args[args.index("--max-new-tokens"):args.index("--max-new-tokens") + 2]
+    return args
+
+
+def test_the_default_max_new_tokens_fits_the_context(tiny_model, tmp_path, capsys):
+    """A first run with no --max-new-tokens decodes: the default 256 is capped at what the context (64) leaves
+    after the longest prompt, in whole blocks, said in one line; an explicit value stays strict."""
+    data, lengths, _ = _fits_and_long(tiny_model, tmp_path, new=16)
+    longest = max(lengths)
+    cap = (64 - longest) - (64 - longest) % 2  # block-causal, block size 2
+    out = tmp_path / "out"
+    assert runner.main(_default_args(tiny_model, out, "--data-file", str(data), "--batch-size", "3")) == 0
+    err = capsys.readouterr().err
+    assert (f"--max-new-tokens {cap} (the default 256 capped: the longest prompt, {longest} tokens, leaves {cap} of "
+            f"{tiny_model}'s context of 64)") in err
+    assert json.loads((out / "run.json").read_text())["identity"]["max_new_tokens"] == cap
+    # Resuming with a --limit whose prompts are shorter keeps the folder's value instead of a larger cap.
+    assert runner.main(_default_args(tiny_model, out, "--data-file", str(data), "--limit", "1")) == 0
+    assert "holds a different run" not in capsys.readouterr().err
+    assert runner.main(_args(tiny_model, tmp_path / "strict", "--data-file", str(data), "--max-new-tokens",
+                             str(64 - longest + 1))) == 2
+    assert "prompts do not fit" in _error(capsys)
+
+
+def test_the_default_max_new_tokens_with_a_prompt_that_cannot_fit(tiny_model, tmp_path, capsys):
+    """A prompt longer than the whole context: the default leaves half the context to prompts, and the refusal
+    names the problem and the fixes (not "--max-new-tokens 256 leaves no room")."""
+    data = _qa_file(tmp_path / "p.jsonl", ["What is 1 + 1?", "Tom has 3 apples. Anna has 5 pens. " * 6])
+    assert runner.main(_default_args(tiny_model, tmp_path / "o", "--data-file", str(data))) == 2
+    err = capsys.readouterr().err
+    assert "--max-new-tokens 32 (the default 256 capped: half of" in err
+    assert "problem q1: its prompt is" in err and "with --max-new-tokens 32" in err and "--truncate left" in err
+
+
+def test_the_default_max_new_tokens_of_the_shipped_models(tmp_path):
+    """The shipped models (256 positions) with synthetic prompts: the cap solves generate's own rule exactly."""
+    task = get_task("synthetic")
+    for name, causal in (("diffusion", 0), ("ar", 1)):
+        model = dllm.load(str(runner.PACKAGE_DIR / "weights" / name))
+        ids = model.tokenizer([task.prompt(p) for p in task.load(20)])["input_ids"]
+        config = runner.default_max_new(runner.EvalConfig("synthetic", output=str(tmp_path / name)), model, ids, name)
+        new, block = config.max_new_tokens, getattr(model, "block_size", None) or 1
+        assert 1 <= new < 256 and new % block == 0
+        assert max(map(len, ids)) + new - causal <= 256 < max(map(len, ids)) + new + block - causal
+        assert runner.default_max_new(config, model, ids, name) is config  # an explicit value is not changed
+
+
 # ------------------------------------------------------------------ resuming (item 13)
 
 

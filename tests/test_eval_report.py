@@ -65,9 +65,10 @@ def test_table_and_chart(runs, tmp_path, capsys):
     assert report.main([str(r) for r in runs] + ["--png", str(chart)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("| run | task | sampler |") and set(lines[1]) <= set("| -")
-    assert f"| {runs[0]} | gsm8k | fef | window=8 | tiny | 0 | 3 | accuracy | 0.667 | 6.0 | 10 | 2.40 | 2.00 |" in lines
-    assert f"| {runs[1]} | humaneval | llada | defaults | tiny | 0 | 2 | pass@1 | 0.500 | 8.0 | 16 | 2.00 | 1.00 |" \
-        in lines
+    assert (f"| {runs[0]} | gsm8k | fef | window=8 | tiny | 0 | 16 | 3 | accuracy | 0.667 | 6.0 | 10 | 2.40 "
+            "| 2.00 |") in lines
+    assert (f"| {runs[1]} | humaneval | llada | defaults | tiny | 0 | 16 | 2 | pass@1 | 0.500 | 8.0 | 16 | 2.00 "
+            "| 1.00 |") in lines
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and chart.stat().st_size > 5000
 
 

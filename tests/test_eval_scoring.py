@@ -68,6 +68,11 @@ def test_gsm8k_prefers_the_stated_answer_to_later_numbers(completion):
         ("The answer is 12.\nWait, I made an error. The answer is 13.", "13"),  # the last statement
         ("#### 13\nThe answer is 12", "13"),  # `####` ends a GSM8K solution: its first one wins
         ("No numbers at all", None),
+        ("The answer is 4 + 9 = 13.", "13"),  # a statement that is an equation states its result
+        ("The answer is 26 / 2 = 13 apples. I checked 2 times.", "13"),
+        (r"The answer is 2 \times 6.5 = 13", "13"),
+        ("The answer is 13, from 4 + 9 = 12 + 1.", "13"),  # the equation is not the statement's
+        ("The answer is 13 + 0", "13"),  # an expression without a result: the number as stated
     ],
 )
 def test_gsm8k_answer_rules(completion, answer):

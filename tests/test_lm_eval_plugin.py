@@ -284,3 +284,23 @@ def test_command_line_offline(diffusion_path, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "dllm_tiny_gen" in result.stdout and "exact_match" in result.stdout
     assert "word_perplexity" in result.stdout and "standard error" in result.stderr
+
+
+@pytest.mark.parametrize("model_args,message", [
+    ("sampler=ar,foo=1", "unknown model_args key(s) ['foo']"),
+    ("sampler=ar,mc_samples=0", "model_args mc_samples must be an int >= 1, got 0"),
+])
+def test_command_line_errors_are_one_line(causal_path, tmp_path, monkeypatch, capsys, model_args, message):
+    """`dllm-lm-eval run` with a bad model_args key or value ends in one line naming it, not a traceback."""
+    from dllm.eval import lm_eval_plugin
+
+    for name, value in [("HF_DATASETS_OFFLINE", "1"), ("HF_HUB_OFFLINE", "1"),
+                        ("HF_DATASETS_CACHE", str(tmp_path / "cache"))]:
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("DLLM_DEBUG", raising=False)
+    args = ["run", "--model", "dllm", "--model_args", f"pretrained={causal_path},{model_args}", "--tasks",
+            "dllm_tiny_mc", "--include_path", str(_tiny_tasks(tmp_path))]
+    with pytest.raises(SystemExit) as exit_info:
+        lm_eval_plugin.main(args)
+    assert str(exit_info.value).startswith(f"dllm lm-eval: {message}")
+    assert "\n" not in str(exit_info.value)

