@@ -48,6 +48,16 @@ def _merge_top2(top1_a, top2_a, index_a, top1_b, top2_b, index_b):
 
 
 @triton.jit
+def _empty_state(INDEX: tl.constexpr):
+    """The state of no logits yet: (m, s, w) of the softmax, the top-2 and its index, the best key, its
+    index and logit; ``INDEX`` is the index dtype (int32 within a chunk, int64 across chunks)."""
+    minus_inf = float("-inf")
+    return (tl.full((), minus_inf, tl.float32), tl.full((), 0.0, tl.float32), tl.full((), 0.0, tl.float32),
+            tl.full((), minus_inf, tl.float32), tl.full((), minus_inf, tl.float32), tl.full((), 0, INDEX),
+            tl.full((), minus_inf, tl.float64), tl.full((), 0, INDEX), tl.full((), minus_inf, tl.float32))
+
+
+@triton.jit
 def _partial_kernel(
     logits_ptr, gumbels_ptr, partials_ptr,  # [N, V] any float, [N, V] float64 (if NOISE_GIVEN), [N, S, 9]
     vocab, chunk, splits, temperature, seed,
@@ -57,15 +67,8 @@ def _partial_kernel(
     split = tl.program_id(1)
     offsets = tl.arange(0, BLOCK)
     minus_inf = float("-inf")
-    running_max = tl.full((), minus_inf, tl.float32)
-    running_sum = tl.full((), 0.0, tl.float32)
-    weighted = tl.full((), 0.0, tl.float32)
-    top1 = tl.full((), minus_inf, tl.float32)
-    top2 = tl.full((), minus_inf, tl.float32)
-    top1_index = tl.full((), 0, tl.int32)
-    best_key = tl.full((), minus_inf, tl.float64)
-    best_index = tl.full((), 0, tl.int32)
-    best_logit = tl.full((), minus_inf, tl.float32)
+    (running_max, running_sum, weighted, top1, top2, top1_index,
+     best_key, best_index, best_logit) = _empty_state(tl.int32)
 
     begin = split * chunk
     end = tl.minimum(begin + chunk, vocab)
@@ -115,16 +118,8 @@ def _finish_kernel(
     SAMPLE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    minus_inf = float("-inf")
-    running_max = tl.full((), minus_inf, tl.float32)
-    running_sum = tl.full((), 0.0, tl.float32)
-    weighted = tl.full((), 0.0, tl.float32)
-    top1 = tl.full((), minus_inf, tl.float32)
-    top2 = tl.full((), minus_inf, tl.float32)
-    top1_index = tl.full((), 0, tl.int64)
-    best_key = tl.full((), minus_inf, tl.float64)
-    best_index = tl.full((), 0, tl.int64)
-    best_logit = tl.full((), minus_inf, tl.float32)
+    (running_max, running_sum, weighted, top1, top2, top1_index,
+     best_key, best_index, best_logit) = _empty_state(tl.int64)
     for split in range(0, splits):  # chunks in vocabulary order, so earlier chunks win ties
         state = partials_ptr + (row * splits + split) * _FIELDS
         running_max, running_sum, weighted = _merge_entropy_state(

@@ -230,3 +230,13 @@ def test_difficulty_report(tokenizer):
     lengths = report["example_tokens"]
     assert lengths["mean"] > report["question_tokens"]["mean"] + report["answer_tokens"]["mean"]
     assert "steps: 1 " in format_report(report)
+
+
+def test_step_templates_alternate_actions_and_comparisons():
+    from dllm.data.templates import STEPS, _alternate
+
+    for templates in STEPS.values():
+        assert [t.new_owner for t in templates] == [i % 2 == 1 for i in range(len(templates))]
+        assert all(t.solution == ("{f} has {calc}." if t.new_owner else "{n} now has {calc}.") for t in templates)
+    with pytest.raises(ValueError, match="2 actions cannot alternate with 0 comparisons"):
+        _alternate(("a", "b"), ())

@@ -55,3 +55,13 @@ def test_code_pass_at_k_module_runs_in_the_sandbox():
         timeout=1.0,
     )
     assert result == {"pass@1": pytest.approx(0.25), "pass@2": pytest.approx(0.5)}
+
+
+def test_metric_info_reads_as_written():
+    """The texts reach evaluate's info at the margin, and the column types are each metric's own."""
+    code, gsm8k = load_metric("code_pass_at_k"), load_metric("gsm8k_accuracy")
+    assert code.description.startswith("\nUnbiased pass@k (Chen et al. 2021)") and "\n    " not in code.description
+    assert code.citation.startswith("\n@article{chen2021codex,\n  title=")
+    assert code.inputs_description.startswith("\nArgs:\n    predictions: list of candidate lists")
+    assert code.features["predictions"].feature.dtype == "string" and gsm8k.features["predictions"].dtype == "string"
+    assert type(code).__doc__.startswith(code.description + code.inputs_description)

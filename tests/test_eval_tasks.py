@@ -92,16 +92,15 @@ def test_qa_format_is_the_training_format():
     assert strip_calculator_annotations("48/2 = <<48/2=24>>24") == "48/2 = 24"
 
 
+# The GSM8K-style summary when every completion is its reference solution: right under every scorer.
+ALL_CORRECT = {"accuracy": 1.0, "strict_accuracy": 1.0, "lm_eval_strict_match": 1.0, "lm_eval_flexible_extract": 1.0}
+
+
 def test_gsm8k_reference_solutions_all_score():
     task = get_task("gsm8k")
     problems = task.load()
     scores = task.score_many(problems, [p["answer"] for p in problems])
-    assert task.summarize(scores) == {
-        "accuracy": 1.0,
-        "strict_accuracy": 1.0,
-        "lm_eval_strict_match": 1.0,
-        "lm_eval_flexible_extract": 1.0,
-    }
+    assert task.summarize(scores) == ALL_CORRECT
 
 
 def test_gsm8k_score_cuts_at_the_next_question():
@@ -190,9 +189,4 @@ def test_packaged_synthetic_set_when_present():
     problems = task.load()
     assert problems and all(p["reference"] is not None for p in problems)
     scores = task.score_many(problems, [p["answer"] for p in problems])
-    assert task.summarize(scores) == {
-        "accuracy": 1.0,
-        "strict_accuracy": 1.0,
-        "lm_eval_strict_match": 1.0,
-        "lm_eval_flexible_extract": 1.0,
-    }
+    assert task.summarize(scores) == ALL_CORRECT

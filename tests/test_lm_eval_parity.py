@@ -6,7 +6,6 @@ within 1e-4, equal is_greedy and rolling (perplexity) scores within 1e-4, for a 
 (whose text starts with BOS), and with requests longer than the context.
 """
 
-import json
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ lm_eval = pytest.importorskip("lm_eval")
 from fixtures.hf import builders  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.models.huggingface import HFLM  # noqa: E402
+from lm_eval_tasks import jsonl_dataset, write_task  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 from dllm.eval.lm_eval_plugin import DllmLM  # noqa: E402
@@ -147,19 +147,15 @@ def _tasks(folder: Path) -> Path:
     """generate_until, multiple_choice and loglikelihood_rolling tasks over a local JSONL (lm-eval's json loader)."""
     rows = [{"question": "the cat sat on the", "choices": ["mat", "dog ran"], "label": 0, "answer": "mat"},
             {"question": LONG, "choices": ["red", "cat sat"], "label": 1, "answer": "cat"}]
-    data = folder / "data.jsonl"
-    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    common = f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
-    (folder / "gen.yaml").write_text(
-        f"task: parity_gen\n{common}output_type: generate_until\n" + 'doc_to_text: "{{question}}"\n'
-        'doc_to_target: "{{answer}}"\ngeneration_kwargs:\n  until: ["blue"]\n  max_gen_toks: 5\n  do_sample: false\n'
-        "metric_list:\n  - metric: exact_match\n")
-    (folder / "mc.yaml").write_text(
-        f"task: parity_mc\n{common}output_type: multiple_choice\n" + 'doc_to_text: "{{question}}"\n'
-        'doc_to_choice: "{{choices}}"\ndoc_to_target: "{{label}}"\nmetric_list:\n  - metric: acc\n')
-    (folder / "ppl.yaml").write_text(
-        f"task: parity_ppl\n{common}output_type: loglikelihood_rolling\n" + 'doc_to_text: ""\n'
-        'doc_to_target: "{{question}}"\nmetric_list:\n  - metric: word_perplexity\n')
+    common = jsonl_dataset(folder, rows)
+    write_task(folder, "gen", "parity_gen", common, "generate_until",
+               'doc_to_text: "{{question}}"\ndoc_to_target: "{{answer}}"\ngeneration_kwargs:\n  until: ["blue"]\n'
+               "  max_gen_toks: 5\n  do_sample: false\nmetric_list:\n  - metric: exact_match\n")
+    write_task(folder, "mc", "parity_mc", common, "multiple_choice",
+               'doc_to_text: "{{question}}"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: "{{label}}"\n'
+               "metric_list:\n  - metric: acc\n")
+    write_task(folder, "ppl", "parity_ppl", common, "loglikelihood_rolling",
+               'doc_to_text: ""\ndoc_to_target: "{{question}}"\nmetric_list:\n  - metric: word_perplexity\n')
     return folder
 
 

@@ -15,6 +15,7 @@ lm_eval = pytest.importorskip("lm_eval")
 
 from fixtures.hf import builders  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
+from lm_eval_tasks import jsonl_dataset, write_task  # noqa: E402
 
 import dllm  # noqa: E402
 from dllm.eval.lm_eval_plugin import DllmLM  # noqa: E402
@@ -235,20 +236,15 @@ def test_chat_template_and_device_defaults(causal_path, caplog):
 
 def _tiny_tasks(folder: Path) -> Path:
     """A generate_until and a multiple-choice task over a local JSONL file (lm-eval's `json` loader)."""
-    data = folder / "data.jsonl"
-    data.write_text("".join(json.dumps(row) + "\n" for row in ROWS))
-    common = (f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
-              'doc_to_text: "{{question}}"\n')
-    (folder / "gen.yaml").write_text(
-        f"task: dllm_tiny_gen\n{common}output_type: generate_until\n" + 'doc_to_target: "{{answer}}"\n'
-        'generation_kwargs:\n  until: ["\\n"]\n  max_gen_toks: 4\n  do_sample: false\n'
-        "metric_list:\n  - metric: exact_match\n")
-    (folder / "mc.yaml").write_text(
-        f"task: dllm_tiny_mc\n{common}output_type: multiple_choice\n" + 'doc_to_choice: "{{choices}}"\n'
-        'doc_to_target: "{{label}}"\nmetric_list:\n  - metric: acc\n')
-    (folder / "ppl.yaml").write_text(
-        f"task: dllm_tiny_ppl\n{common.replace('{{question}}', '')}output_type: loglikelihood_rolling\n"
-        'doc_to_target: "{{question}} {{answer}}"\nmetric_list:\n  - metric: word_perplexity\n')
+    dataset = jsonl_dataset(folder, ROWS)
+    common = dataset + 'doc_to_text: "{{question}}"\n'
+    write_task(folder, "gen", "dllm_tiny_gen", common, "generate_until",
+               'doc_to_target: "{{answer}}"\ngeneration_kwargs:\n  until: ["\\n"]\n  max_gen_toks: 4\n'
+               "  do_sample: false\nmetric_list:\n  - metric: exact_match\n")
+    write_task(folder, "mc", "dllm_tiny_mc", common, "multiple_choice",
+               'doc_to_choice: "{{choices}}"\ndoc_to_target: "{{label}}"\nmetric_list:\n  - metric: acc\n')
+    write_task(folder, "ppl", "dllm_tiny_ppl", dataset + 'doc_to_text: ""\n', "loglikelihood_rolling",
+               'doc_to_target: "{{question}} {{answer}}"\nmetric_list:\n  - metric: word_perplexity\n')
     return folder
 
 

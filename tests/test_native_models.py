@@ -11,6 +11,7 @@ import pytest
 import torch
 from fixtures.hf.remote_checkpoints import make_dream_folder, make_llada_folder, reference_model
 from safetensors.torch import load_file, save_file
+from structured_checks import assert_structured_equals_copies
 
 import dllm
 from dllm.models.hf import DreamAdapter
@@ -268,18 +269,7 @@ def test_shifted_structured_verifier_equals_copies_for_one_layer(layout):
     x = torch.tensor([[5, 6, 7, 8, 2, 2, 2, 2, 2, 2, 2, 2], [9, 9, 9, 9, 11, 2, 2, 2, 2, 2, 2, 2]])
     positions, drafts = torch.tensor([[4, 5, 6], [5, 7, 6]]), torch.tensor([[10, 11, 12], [13, 14, 15]])
     count, bonus, offset = torch.tensor([3, 2]), torch.tensor([7, 8]), torch.tensor([4, 4])
-    with torch.no_grad():
-        targets, state = model.structured_verify(x, positions, drafts, count, bonus, block_offset=offset)
-        for r in range(2):
-            for c in range(int(count[r]) + 1):
-                copy = x[r : r + 1].clone()
-                copy[0, positions[r, :c]] = drafts[r, :c]
-                reference = model(copy, block_offset=offset[r : r + 1])[0]
-                at = positions[r, c] if c < count[r] else bonus[r]
-                keep = torch.isfinite(reference[at])
-                assert torch.allclose(reference[at][keep], targets[r, c][keep], atol=1e-5), (r, c)
-        keep = torch.isfinite(state)
-        assert torch.allclose(state[keep], model(x, block_offset=offset)[keep], atol=1e-5)
+    assert_structured_equals_copies(model, x, positions, drafts, count, bonus, offset)
 
 
 @pytest.mark.parametrize("family", ["llada", "dream"])

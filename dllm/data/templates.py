@@ -55,33 +55,31 @@ GROUP_STARTS: tuple[Template, ...] = (
 )
 
 # Per operation, actions (same owner) alternate with comparisons (new owner), so that the first
-# ``n_templates`` of a list always mix both kinds.
+# ``n_templates`` of a list always mix both kinds. The kind decides the solution line, written once here.
+def _alternate(actions: tuple[str, ...], comparisons: tuple[str, ...]) -> tuple[Template, ...]:
+    """Action, comparison, action, ...: the owner keeps the count after an action, ``{f}`` takes it after a
+    comparison."""
+    if not len(actions) - 1 <= len(comparisons) <= len(actions):
+        raise ValueError(f"{len(actions)} actions cannot alternate with {len(comparisons)} comparisons")
+    steps = []
+    for i, action in enumerate(actions):
+        steps.append(Template(action, "{n} now has {calc}."))
+        if i < len(comparisons):
+            steps.append(Template(comparisons[i], "{f} has {calc}.", new_owner=True))
+    return tuple(steps)
+
+
 STEPS: dict[str, tuple[Template, ...]] = {
-    "+": (
-        Template("{n} buys {b} more {obj}.", "{n} now has {calc}."),
-        Template("{f} has {bx} more than {n}.", "{f} has {calc}.", new_owner=True),
-        Template("{f} gives {n} {bx}.", "{n} now has {calc}."),
-        Template("{n} has {bx} fewer than {f}.", "{f} has {calc}.", new_owner=True),
-        Template("{n} finds {b} more {obj}.", "{n} now has {calc}."),
-    ),
-    "-": (
-        Template("{n} gives {bx} to {f}.", "{n} now has {calc}."),
-        Template("{f} has {bx} fewer than {n}.", "{f} has {calc}.", new_owner=True),
-        Template("{n} sells {bx}.", "{n} now has {calc}."),
-        Template("{n} has {bx} more than {f}.", "{f} has {calc}.", new_owner=True),
-        Template("{n} loses {bx}.", "{n} now has {calc}."),
-    ),
-    "*": (
-        Template("{n} ends up with {b} times as many {obj} as before.", "{n} now has {calc}."),
-        Template("{f} has {b} times as many {obj} as {n}.", "{f} has {calc}.", new_owner=True),
-        Template("{n} buys more {obj} until {he} has {b} times as many.", "{n} now has {calc}."),
-    ),
-    "/": (
-        Template("{n} splits them into {b} equal piles and keeps one.", "{n} now has {calc}."),
-        Template("{n} has {b} times as many {obj} as {f}.", "{f} has {calc}.", new_owner=True),
-        Template("{n} puts them into {b} {boxes} with the same number in each and keeps one {box}.",
-                 "{n} now has {calc}."),
-    ),
+    "+": _alternate(("{n} buys {b} more {obj}.", "{f} gives {n} {bx}.", "{n} finds {b} more {obj}."),
+                    ("{f} has {bx} more than {n}.", "{n} has {bx} fewer than {f}.")),
+    "-": _alternate(("{n} gives {bx} to {f}.", "{n} sells {bx}.", "{n} loses {bx}."),
+                    ("{f} has {bx} fewer than {n}.", "{n} has {bx} more than {f}.")),
+    "*": _alternate(("{n} ends up with {b} times as many {obj} as before.",
+                     "{n} buys more {obj} until {he} has {b} times as many."),
+                    ("{f} has {b} times as many {obj} as {n}.",)),
+    "/": _alternate(("{n} splits them into {b} equal piles and keeps one.",
+                     "{n} puts them into {b} {boxes} with the same number in each and keeps one {box}."),
+                    ("{n} has {b} times as many {obj} as {f}.",)),
 }
 
 FINAL_QUESTION = "How many {obj} does {n} have?"

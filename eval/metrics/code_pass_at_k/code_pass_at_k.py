@@ -1,59 +1,44 @@
 """pass@k of code candidates, each run against its problem's test program in dllm's sandbox."""
 
 import datasets
-import evaluate
 
+from dllm.eval.metrics.shipped import ShippedMetric
 from dllm.eval.sandbox import run_many
 from dllm.eval.scoring import pass_at_k
 
-_DESCRIPTION = """
-Unbiased pass@k (Chen et al. 2021) of code candidates. Each candidate, followed by its problem's test
-program, runs in dllm's sandbox (a separate confined process; see `dllm.eval.sandbox`), never in the
-evaluating process; it passes when the program exits with status 0. Unlike the hub's `code_eval` it
-loads offline and needs no opt-in environment variable, because the code never runs in-process.
-"""
 
-_KWARGS_DESCRIPTION = """
-Args:
-    predictions: list of candidate lists, one list of program strings per problem.
-    references: list of test programs (str), one per problem, appended to each candidate.
-    k: list of k values (default [1]); each must not exceed the number of candidates per problem.
-    timeout: wall-clock seconds per program (default 10).
-    max_workers: parallel sandboxes (default: the number of cores).
-Returns:
-    pass@k for each k, in [0, 1].
-Examples:
-    >>> metric = evaluate.load(path)
-    >>> metric.compute(predictions=[["def f():\\n    return 1"]], references=["assert f() == 1"], k=[1])
-    {'pass@1': 1.0}
-"""
-
-_CITATION = """
-@article{chen2021codex,
-  title={Evaluating Large Language Models Trained on Code},
-  author={Chen, Mark and others},
-  journal={arXiv preprint arXiv:2107.03374},
-  year={2021}
-}
-"""
-
-
-@evaluate.utils.file_utils.add_start_docstrings(_DESCRIPTION, _KWARGS_DESCRIPTION)
-class CodePassAtK(evaluate.Metric):
+class CodePassAtK(ShippedMetric):
     """Sandboxed pass@k."""
 
-    def _info(self):
-        return evaluate.MetricInfo(
-            description=_DESCRIPTION,
-            citation=_CITATION,
-            inputs_description=_KWARGS_DESCRIPTION,
-            features=datasets.Features(
-                {
-                    "predictions": datasets.Sequence(datasets.Value("string")),
-                    "references": datasets.Value("string"),
-                }
-            ),
-        )
+    FEATURES = {"predictions": datasets.Sequence(datasets.Value("string")), "references": datasets.Value("string")}
+    DESCRIPTION = """
+    Unbiased pass@k (Chen et al. 2021) of code candidates. Each candidate, followed by its problem's test
+    program, runs in dllm's sandbox (a separate confined process; see `dllm.eval.sandbox`), never in the
+    evaluating process; it passes when the program exits with status 0. Unlike the hub's `code_eval` it
+    loads offline and needs no opt-in environment variable, because the code never runs in-process.
+    """
+    INPUTS = """
+    Args:
+        predictions: list of candidate lists, one list of program strings per problem.
+        references: list of test programs (str), one per problem, appended to each candidate.
+        k: list of k values (default [1]); each must not exceed the number of candidates per problem.
+        timeout: wall-clock seconds per program (default 10).
+        max_workers: parallel sandboxes (default: the number of cores).
+    Returns:
+        pass@k for each k, in [0, 1].
+    Examples:
+        >>> metric = evaluate.load(path)
+        >>> metric.compute(predictions=[["def f():\\n    return 1"]], references=["assert f() == 1"], k=[1])
+        {'pass@1': 1.0}
+    """
+    CITATION = """
+    @article{chen2021codex,
+      title={Evaluating Large Language Models Trained on Code},
+      author={Chen, Mark and others},
+      journal={arXiv preprint arXiv:2107.03374},
+      year={2021}
+    }
+    """
 
     def _compute(self, predictions, references, k=(1,), timeout=10.0, max_workers=None):
         programs = [f"{c}\n\n{test}\n" for cands, test in zip(predictions, references) for c in cands]

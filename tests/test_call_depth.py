@@ -1,0 +1,40 @@
+"""The plumbing-depth counter of `dllm.eval.call_depth` counts the frames it says it counts."""
+
+from pathlib import Path
+
+import torch
+
+from dllm.eval.call_depth import main, record_chains
+
+
+class _Model(torch.nn.Module):
+    def forward(self, x):
+        return self.forward_cached(x)  # the model calling itself is one entry, not two
+
+    def forward_cached(self, x):
+        return x
+
+
+def _entry(model, x):
+    return _hop(model, x) + model.forward_cached(x)
+
+
+def _hop(model, x):
+    return model(x)  # through torch's Module.__call__ frames
+
+
+def test_hand_built_chains():
+    model, x = _Model(), torch.zeros(1)
+    here = (str(Path(__file__).resolve()),)
+    chains = record_chains(lambda: _entry(model, x), model, entry=_entry.__code__, project=here)
+    assert len(chains) == 2 and all(times == 1 for times in chains.values())  # forward's inner call not counted
+    via_hop, direct = sorted(chains, key=lambda chain: -chain.depth)
+    assert via_hop.frames == ("tests/test_call_depth.py:_hop", "tests/test_call_depth.py:forward")
+    assert via_hop.depth == 2 and via_hop.torch_frames >= 1  # Module.__call__'s frames counted apart
+    assert direct.frames == ("tests/test_call_depth.py:forward_cached",) and direct.torch_frames == 0
+
+
+def test_counts_a_real_fef_run(capsys):
+    assert main(["--max-new-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "forward_cached" in out and "samplers/fef.py:fef_round" in out
