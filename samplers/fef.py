@@ -30,12 +30,12 @@ from dataclasses import dataclass
 
 import torch
 
-from dllm.kernels import verify_logits
 from dllm.numerics import bind_rows, forbid_token, sample_from_logits
 from dllm.stats import DecodeStats
 
 from .canvas import View
 from .order import choose_window, pick_next
+from .verify import Noise, rejection_sample
 
 DRAFT_SOURCES = ("marginal", "stale")
 VERIFIERS = ("copies", "structured")
@@ -151,8 +151,8 @@ def fef_round(
     target_positions[rows, num_drafts] = picks[rows, num_drafts].clamp(min=0)
     has_bonus = picks[rows, num_drafts] >= 0
     target_logits = forbid_token(all_logits[copy_index.clamp(min=0), target_positions], mask_id)  # [R, W+1, V]
-    outcome = verify_logits(drafts, window_logits, target_logits, num_drafts, temperature=temperature,
-                            has_bonus=has_bonus, generator=generator)
+    outcome = rejection_sample(drafts, window_logits, target_logits, num_drafts, temperature=temperature,
+                               has_bonus=has_bonus, noise=Noise(generator=generator))
     stats.count_verification(num_drafts, outcome.num_accepted, outcome.num_emitted)
 
     emitted_positions = torch.where(outcome.tokens >= 0, target_positions, -1)
@@ -189,8 +189,8 @@ def structured_round(
         bonus = torch.where(available > width, ranked[:, width], bonus)
     drafts, window_logits = _draft(draft_logits[rows[:, None], positions], mask_id, temperature, generator)
     targets, state_logits = view.structured(x, positions, drafts, count, bonus)
-    outcome = verify_logits(drafts, window_logits, forbid_token(targets, mask_id), count, temperature=temperature,
-                            has_bonus=bonus >= 0, generator=generator)
+    outcome = rejection_sample(drafts, window_logits, forbid_token(targets, mask_id), count,
+                               temperature=temperature, has_bonus=bonus >= 0, noise=Noise(generator=generator))
     stats.count_verification(count, outcome.num_accepted, outcome.num_emitted)
     target_positions = torch.cat([positions, positions[:, :1]], dim=1)
     target_positions[rows, count] = bonus.clamp(min=0)
