@@ -71,7 +71,9 @@ class Noise:
             raise ValueError(f"Noise: seed must be an integer in [0, 2^63) or None, got {self.seed!r}")
         for name in ("uniforms", "gumbels"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, torch.Tensor) or value.dim() != 2):
+            # float64: the noise rule of dllm.numerics (a float32 uniform would silently move the test)
+            if value is not None and (not isinstance(value, torch.Tensor) or value.dim() != 2
+                                      or value.dtype != torch.float64):
                 raise ValueError(f"Noise: {name} must be a 2-D float64 tensor or None, got {_describe(value)}")
 
     def acceptance(self, batch: int, width: int, device) -> torch.Tensor:
@@ -267,7 +269,9 @@ def as_noise(noise: Noise | None, generator, seed, uniforms, gumbels) -> Noise:
 
 
 def _describe(value) -> str:
-    return f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    return repr(value)
 
 
 def need_generator(generator: torch.Generator | None) -> torch.Generator:

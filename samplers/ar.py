@@ -118,19 +118,6 @@ def ar_spec(
     return seq
 
 
-def _make_drafter(drafter, caller: Caller, cache: str, max_ngram: int, prompt_len: int) -> Drafter:
-    """The ``drafter`` option as a Drafter (samplers/drafters.py), chosen once so the loop never dispatches."""
-    if isinstance(drafter, Drafter):
-        return drafter
-    if isinstance(drafter, str):
-        return NgramDrafter(max_ngram)
-    if not is_diffusion_model(drafter):
-        return CausalDrafter(caller, _rollback_cache(drafter) if _use_cache(cache, drafter) else None)
-    block = _block_size(drafter)
-    kv = _rollback_cache(drafter) if block and _use_cache(cache, drafter) else None
-    return DiffusionDrafter(caller, block, prompt_len, kv)
-
-
 def _rollback_cache(model):
     """A new cache for speculative decoding, which rolls back rejected drafts every round; None (run
     uncached, same results) when the model's cache cannot roll back (sliding-window or linear layers)."""
@@ -162,6 +149,19 @@ def _full_mask(attention_mask, batch: int, length: int, device) -> torch.Tensor 
     full = torch.ones((batch, length), dtype=torch.long, device=device)
     full[:, : attention_mask.shape[1]] = attention_mask
     return full
+
+
+def _make_drafter(drafter, caller: Caller, cache: str, max_ngram: int, prompt_len: int) -> Drafter:
+    """The ``drafter`` option as a Drafter (samplers/drafters.py), chosen once so the loop never dispatches."""
+    if isinstance(drafter, Drafter):
+        return drafter
+    if isinstance(drafter, str):
+        return NgramDrafter(max_ngram)
+    if not is_diffusion_model(drafter):
+        return CausalDrafter(caller, _rollback_cache(drafter) if _use_cache(cache, drafter) else None)
+    block = _block_size(drafter)
+    kv = _rollback_cache(drafter) if block and _use_cache(cache, drafter) else None
+    return DiffusionDrafter(caller, block, prompt_len, kv)
 
 
 def _target_rows(caller: Caller, kv, seq, rows, length, drafts) -> torch.Tensor:

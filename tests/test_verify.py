@@ -211,6 +211,8 @@ def test_rejection_sample_bad_noise_names_the_parameter():
         Noise(seed=-1)
     with pytest.raises(ValueError, match="uniforms must be a 2-D"):
         Noise(uniforms=torch.rand(3, dtype=torch.float64))
+    with pytest.raises(ValueError, match="gumbels must be a 2-D float64"):
+        Noise(gumbels=torch.zeros(2, 7))
     with pytest.raises(ValueError, match="not both"):
         verify_logits(drafts, draft_logits, target_logits, temperature=1.0, noise=Noise(seed=1), generator=gen())
     with pytest.raises(ValueError, match="generator"):
