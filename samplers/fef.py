@@ -22,6 +22,8 @@ reproduces greedy ``sequential`` token for token.
 - ``"stale"``: the logits of the verified copy that matches the new state's revealed drafts, from the
   previous round's verify call (no draft call at all); still exact, since any proposal works as long as
   drafts are sampled from the very probabilities the test uses. One call per round.
+Both are draft-source objects (``MarginalDrafts``, ``StaleDrafts`` in ``samplers/drafters.py``), chosen once
+per call; a round asks its source for logits and tells it the verified copy afterwards.
 """
 
 from __future__ import annotations

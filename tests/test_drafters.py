@@ -80,3 +80,37 @@ def test_a_new_drafter_keeps_ar_spec_exact_only_with_its_own_logits(honest):
     pvalue = chi_square_pvalue(out[:, PROMPT.numel():], sequential_distribution(oracle, PROMPT, GEN))
     assert (pvalue > ALPHA) if honest else (pvalue < 1e-6)
     assert 0 < stats.accepted < stats.drafted
+
+
+class FakeView:
+    """The parts of samplers.canvas.View a draft source reads."""
+
+    def __init__(self, offset, active, width=6, rows=(0, 1)):
+        self.offset, self.rows, self.calls = offset, torch.tensor(rows), 0
+        self.x = torch.zeros((len(rows), width), dtype=torch.long)
+        self.region = torch.zeros(width, dtype=torch.bool)
+        self.region[active] = True
+
+    def call(self, x, rows):
+        self.calls += 1
+        return torch.full((*x.shape, 3), float(self.calls))
+
+
+def test_stale_drafts_reuse_the_verified_copy_and_call_afresh_when_it_does_not_cover_the_block():
+    from dllm.samplers.drafters import MarginalDrafts, StaleDrafts
+
+    source, view = StaleDrafts(), FakeView(offset=2, active=slice(0, 3))
+    logits, is_state = source.logits(view)
+    assert is_state and view.calls == 1  # nothing stale yet: a call on the state
+    verified = torch.arange(2 * 6 * 3, dtype=torch.float).reshape(2, 6, 3)
+    source.observe(view, verified)
+    logits, is_state = source.logits(view)
+    assert not is_state and view.calls == 1 and torch.equal(logits, verified)
+    shifted = FakeView(offset=5, active=slice(0, 3))  # three columns on: the stale logits cover 3 of 6
+    logits, is_state = source.logits(shifted)
+    assert not is_state and torch.equal(logits[:, :3], verified[:, 3:]) and shifted.calls == 0
+    beyond = FakeView(offset=5, active=slice(0, 4))  # the active block reaches past what was scored
+    assert source.logits(beyond)[1] and beyond.calls == 1
+    marginal, again = MarginalDrafts(), FakeView(offset=2, active=slice(0, 3))
+    marginal.observe(again, verified)
+    assert marginal.logits(again)[1] and again.calls == 1  # marginal drafts always call
