@@ -9,9 +9,10 @@ import ``triton`` and are loaded only when used.
 from .dispatch import kernel_mode, use_kernels
 from .noise import draw_seed
 from .sampling import SampleConfidence, sample_confidence, sample_confidence_reference
-from .verify import VerifyResult, verify_logits, verify_logits_reference, verify_probs
+from .verify import Noise, VerifyResult, verify_logits, verify_logits_reference, verify_probs
 
 __all__ = [
+    "Noise",
     "SampleConfidence",
     "VerifyResult",
     "draw_seed",

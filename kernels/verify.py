@@ -26,16 +26,17 @@ softmax(logits / T) (float32, ``dllm.numerics.softmax``); the fused Triton kerne
 ``verify_triton.py`` computes the same from logits without materialising probabilities, and
 ``verify_logits`` dispatches between them.
 
-Noise, for the logits functions: explicit ``uniforms`` [B, K] / ``gumbels`` [B, V] (float64) win; else
-``seed`` derives them from a counter-based generator (``dllm.kernels.noise``: acceptance uniform (b, j)
-and Gumbel (b, v) are pure functions of (seed, b, j or v)), so reference and kernel replay each other;
-else the reference draws from ``generator`` exactly as ``verify_probs`` does, and the kernel draws one
-seed from it (same law, different stream).
+Noise: one ``Noise`` object says where every random number comes from, per component: explicit
+``uniforms`` [B, K] / ``gumbels`` [B, V] (float64) win; else ``seed`` derives them from a counter-based
+generator (``dllm.kernels.noise``: acceptance uniform (b, j) and Gumbel (b, v) are pure functions of
+(seed, b, j or v)), so reference and kernel replay each other; else the reference draws from
+``generator`` (uniforms first, then each correction/bonus row's Gumbels) and the kernel draws one seed
+from it (same law, different stream). The noise is drawn apart from the rule (``_verify``), as in vLLM's
+rejection sampler; the old keywords (``generator=``, ``seed=``, ``uniforms=``, ``gumbels=``) build one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -43,10 +44,7 @@ import torch
 from dllm.numerics import RowGenerators, bind_rows, gumbel, softmax, uniform
 
 from .dispatch import use_triton
-from .noise import STREAM_ACCEPT, STREAM_RESIDUAL, counter_gumbels, counter_uniforms
-
-# rows [R] -> float64 Gumbel noise [R, V] for the correction/bonus draw of those batch rows
-GumbelSource = Callable[[torch.Tensor], torch.Tensor]
+from .noise import SEED_LIMIT, STREAM_ACCEPT, STREAM_RESIDUAL, counter_gumbels, counter_uniforms
 
 
 @dataclass(frozen=True)
@@ -56,6 +54,43 @@ class VerifyResult:
     tokens: torch.Tensor  # [B, K + 1] accepted drafts, then the correction/bonus; -1 after the last
     num_emitted: torch.Tensor  # [B] tokens emitted (accepted + 1 when a correction/bonus was drawn)
     num_accepted: torch.Tensor  # [B] accepted drafts
+
+
+@dataclass(frozen=True)
+class Noise:
+    """The randomness of one verification; each component explicit, else from ``seed``, else ``generator``."""
+
+    generator: torch.Generator | None = None
+    seed: int | None = None  # counter-based noise (dllm.kernels.noise), in [0, 2^63)
+    uniforms: torch.Tensor | None = None  # [B, K] float64 acceptance noise
+    gumbels: torch.Tensor | None = None  # [B, V] float64 noise for the correction/bonus draw
+
+    def __post_init__(self) -> None:
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed < SEED_LIMIT):
+            raise ValueError(f"Noise: seed must be an integer in [0, 2^63) or None, got {self.seed!r}")
+        for name in ("uniforms", "gumbels"):
+            value = getattr(self, name)
+            # float64: the noise rule of dllm.numerics (a float32 uniform would silently move the test)
+            if value is not None and (not isinstance(value, torch.Tensor) or value.dim() != 2
+                                      or value.dtype != torch.float64):
+                raise ValueError(f"Noise: {name} must be a 2-D float64 tensor or None, got {_describe(value)}")
+
+    def acceptance(self, batch: int, width: int, device) -> torch.Tensor:
+        """Acceptance uniforms -> [B, K] float64."""
+        if self.uniforms is not None:
+            return self.uniforms
+        if self.seed is not None:
+            return counter_uniforms(self.seed, STREAM_ACCEPT, torch.arange(batch, device=device), width)
+        return uniform(need_generator(self.generator), (batch, width), device)
+
+    def residual(self, rows: torch.Tensor, vocab: int, device) -> torch.Tensor:
+        """Gumbel noise for the correction/bonus draw of batch rows ``rows`` [R] -> [R, V] float64."""
+        if self.gumbels is not None:
+            return self.gumbels[rows]
+        if self.seed is not None:
+            return counter_gumbels(self.seed, STREAM_RESIDUAL, rows, vocab)
+        return gumbel(bind_rows(need_generator(self.generator), rows), (rows.numel(), vocab), device)
 
 
 def verify_probs(
@@ -71,15 +106,8 @@ def verify_probs(
     greedy: bool = False,
 ) -> VerifyResult:
     """Accept/reject a ragged batch of drafts against target distributions; see the module docstring."""
-    if not greedy and uniforms is None:
-        uniforms = uniform(need_generator(generator), tuple(draft_tokens.shape), draft_tokens.device)
-    if gumbels is not None:
-        noise: GumbelSource = lambda rows: gumbels[rows]
-    else:
-        vocab = target_probs.shape[-1]
-        noise = lambda rows: gumbel(bind_rows(need_generator(generator), rows), (rows.numel(), vocab),
-                                    target_probs.device)
-    return _verify(draft_tokens, draft_probs, target_probs, num_drafts, has_bonus, uniforms, noise, greedy)
+    noise = Noise(generator=generator, uniforms=uniforms, gumbels=gumbels)
+    return _verify(draft_tokens, draft_probs, target_probs, num_drafts, has_bonus, noise, greedy)
 
 
 def verify_logits_reference(
@@ -94,24 +122,16 @@ def verify_logits_reference(
     uniforms: torch.Tensor | None = None,  # [B, K] float64
     gumbels: torch.Tensor | None = None,  # [B, V] float64
     seed: int | None = None,  # counter-based noise where uniforms/gumbels are not given
+    noise: Noise | None = None,  # instead of the four keywords above
 ) -> VerifyResult:
     """``verify_probs`` on softmax(logits / T) in float32; T = 0 is greedy on the logits."""
     check_temperature(temperature)
+    noise = as_noise(noise, generator, seed, uniforms, gumbels)
     if temperature == 0:
-        return verify_probs(draft_tokens, None, target_logits, num_drafts, has_bonus=has_bonus, greedy=True)
+        return _verify(draft_tokens, None, target_logits, num_drafts, has_bonus, noise, True)
     draft_probs = None if draft_logits is None else softmax(draft_logits, temperature)
-    target_probs = softmax(target_logits, temperature)
-    if seed is None:
-        return verify_probs(draft_tokens, draft_probs, target_probs, num_drafts, has_bonus=has_bonus,
-                            generator=generator, uniforms=uniforms, gumbels=gumbels)
-    batch, width = draft_tokens.shape
-    if uniforms is None:
-        uniforms = counter_uniforms(seed, STREAM_ACCEPT, torch.arange(batch, device=draft_tokens.device), width)
-    if gumbels is not None:
-        noise: GumbelSource = lambda rows: gumbels[rows]
-    else:
-        noise = lambda rows: counter_gumbels(seed, STREAM_RESIDUAL, rows, target_logits.shape[-1])
-    return _verify(draft_tokens, draft_probs, target_probs, num_drafts, has_bonus, uniforms, noise, False)
+    return _verify(draft_tokens, draft_probs, softmax(target_logits, temperature), num_drafts, has_bonus, noise,
+                   False)
 
 
 def verify_logits(
@@ -126,16 +146,19 @@ def verify_logits(
     uniforms: torch.Tensor | None = None,  # [B, K] float64
     gumbels: torch.Tensor | None = None,  # [B, V] float64
     seed: int | None = None,
+    noise: Noise | None = None,  # instead of the four keywords above
 ) -> VerifyResult:
     """Dispatcher: the fused Triton kernel for CUDA tensors when Triton is installed, else the reference
     (``dllm.kernels.dispatch`` has the rule and how to override it)."""
-    implementation = verify_logits_reference
-    if not isinstance(generator, RowGenerators) and use_triton(target_logits):
+    noise = as_noise(noise, generator, seed, uniforms, gumbels)
+    if not isinstance(noise.generator, RowGenerators) and use_triton(target_logits):
         from .verify_triton import verify_logits_triton
 
-        implementation = verify_logits_triton
-    return implementation(draft_tokens, draft_logits, target_logits, num_drafts, temperature=temperature,
-                          has_bonus=has_bonus, generator=generator, uniforms=uniforms, gumbels=gumbels, seed=seed)
+        return verify_logits_triton(draft_tokens, draft_logits, target_logits, num_drafts, temperature=temperature,
+                                    has_bonus=has_bonus, generator=noise.generator, uniforms=noise.uniforms,
+                                    gumbels=noise.gumbels, seed=noise.seed)
+    return verify_logits_reference(draft_tokens, draft_logits, target_logits, num_drafts, temperature=temperature,
+                                   has_bonus=has_bonus, noise=noise)
 
 
 def _verify(
@@ -144,11 +167,10 @@ def _verify(
     target_probs: torch.Tensor,  # [B, K or K + 1, V]
     num_drafts: torch.Tensor | None,  # [B]
     has_bonus: torch.Tensor | None,  # [B]
-    uniforms: torch.Tensor | None,  # [B, K] float64 (unused when greedy)
-    noise: GumbelSource,
+    noise: Noise,  # unused when greedy
     greedy: bool,
 ) -> VerifyResult:
-    """The rule itself, with the correction/bonus noise supplied per row by ``noise``."""
+    """The rule itself, with its acceptance and correction/bonus noise drawn from ``noise``."""
     batch, width = draft_tokens.shape
     device = draft_tokens.device
     num_drafts, has_bonus = normalise_counts(draft_tokens, target_probs, num_drafts, has_bonus)
@@ -163,6 +185,7 @@ def _verify(
             draft_at_draft = torch.ones_like(target_at_draft)
         else:
             draft_at_draft = draft_probs.gather(-1, safe_drafts[..., None]).squeeze(-1).double()
+        uniforms = noise.acceptance(batch, width, device)  # [B, K] float64
         accept = valid & (draft_at_draft > 0) & (uniforms * draft_at_draft < target_at_draft)
 
     num_accepted = accept.long().cumprod(dim=1).sum(dim=1)  # [B]
@@ -188,7 +211,7 @@ def _draw_extra(
     rows: torch.Tensor,  # [R]
     at: torch.Tensor,  # [R] window index of the rejection (or of the bonus row)
     rejected: torch.Tensor,  # [R] bool: correction (True) or bonus (False)
-    noise: GumbelSource,
+    noise: Noise,
     greedy: bool,
 ) -> torch.Tensor:
     """The correction token (residual distribution) or bonus token (target row) per row -> [R]."""
@@ -206,7 +229,7 @@ def _draw_extra(
         # Zero residual mass: target == draft up to rounding; fall back to the target (documented above).
         use_residual = rejected & (residual.sum(-1) > 0)
         weights = torch.where(use_residual[:, None], residual, weights)
-    return (torch.log(weights.double()) + noise(rows)).argmax(-1)
+    return (torch.log(weights.double()) + noise.residual(rows, weights.shape[-1], weights.device)).argmax(-1)
 
 
 def normalise_counts(
@@ -232,6 +255,23 @@ def normalise_counts(
 def check_temperature(temperature: float) -> None:
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
+
+
+def as_noise(noise: Noise | None, generator, seed, uniforms, gumbels) -> Noise:
+    """``noise``, or the one built from the separate keywords; giving both ways is an error."""
+    if noise is None:
+        return Noise(generator=generator, seed=seed, uniforms=uniforms, gumbels=gumbels)
+    if not isinstance(noise, Noise):
+        raise ValueError(f"noise must be a dllm.kernels.Noise, got {_describe(noise)}")
+    if any(value is not None for value in (generator, seed, uniforms, gumbels)):
+        raise ValueError("give the noise either as noise= or as generator=/seed=/uniforms=/gumbels=, not both")
+    return noise
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    return repr(value)
 
 
 def need_generator(generator: torch.Generator | None) -> torch.Generator:

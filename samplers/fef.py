@@ -22,6 +22,8 @@ reproduces greedy ``sequential`` token for token.
 - ``"stale"``: the logits of the verified copy that matches the new state's revealed drafts, from the
   previous round's verify call (no draft call at all); still exact, since any proposal works as long as
   drafts are sampled from the very probabilities the test uses. One call per round.
+Both are draft-source objects (``MarginalDrafts``, ``StaleDrafts`` in ``samplers/drafters.py``), chosen once
+per call; a round asks its source for logits and tells it the verified copy afterwards.
 """
 
 from __future__ import annotations
@@ -30,12 +32,13 @@ from dataclasses import dataclass
 
 import torch
 
-from dllm.kernels import verify_logits
 from dllm.numerics import bind_rows, forbid_token, sample_from_logits
 from dllm.stats import DecodeStats
 
 from .canvas import View
+from .drafters import MarginalDrafts, StaleDrafts
 from .order import choose_window, pick_next
+from .verify import Noise, rejection_sample
 
 DRAFT_SOURCES = ("marginal", "stale")
 VERIFIERS = ("copies", "structured")
@@ -65,53 +68,29 @@ class FefStepper:
     window: int = 4
     draft: str = "marginal"
     verifier: str = "copies"
-    stale: torch.Tensor | None = None  # [B, Ls, V] next round's draft logits per canvas row ("stale")
-    stale_offset: int = 0  # canvas position of the stale logits' first column
+
+    def __post_init__(self) -> None:
+        self.source = StaleDrafts() if self.draft == "stale" else MarginalDrafts()  # chosen once, not per round
 
     @property
     def lookahead(self) -> bool:
         """Stale drafts want the next block's logits from each call (see BlockCacheSession)."""
-        return self.draft == "stale"
+        return self.source.lookahead
 
     def begin_block(self, block: int) -> None:
         pass  # stale logits carry over: the last round's copy already scored the next block
 
     def step(self, view: View) -> tuple[torch.Tensor, dict]:
-        rows = torch.arange(view.x.shape[0], device=view.x.device)
-        draft_logits = None if self.draft == "marginal" else self._stale_for(view)
-        fresh = draft_logits is None
-        if fresh:
-            draft_logits = view.call(view.x, rows)
+        draft_logits, fresh = self.source.logits(view)
         one_round = structured_round if self.verifier == "structured" else fef_round
         generator = bind_rows(self.generator, view.rows)  # every draw below is per view row
         result = one_round(view, draft_logits, fresh, self.temperature, generator, self.stats,
                            order=self.order, window=self.window)
-        if self.draft == "stale":
-            if self.stale is None or self.stale.shape[1:] != result.next_logits.shape[1:]:
-                size = int(view.rows.max()) + 1
-                self.stale = result.next_logits.new_zeros((size, *result.next_logits.shape[1:]))
-            self.stale[view.rows] = result.next_logits
-            self.stale_offset = view.offset
+        self.source.observe(view, result.next_logits)
         revealed = torch.where(result.emitted_positions >= 0, result.emitted_positions + view.offset, -1)
         return result.x, {"sampler": "fef", "window": result.window + view.offset, "drafts": result.drafts,
                           "num_drafts": result.num_drafts, "num_accepted": result.num_accepted,
                           "revealed": revealed}
-
-
-    def _stale_for(self, view: View) -> torch.Tensor | None:
-        """Stale logits re-aligned to this view, or None when they do not cover its active block."""
-        if self.stale is None:
-            return None
-        shift = view.offset - self.stale_offset
-        source = self.stale[view.rows, shift:]
-        needed = int(view.region.nonzero().max()) + 1
-        if shift < 0 or source.shape[1] < needed:
-            return None
-        width = view.x.shape[1]
-        if source.shape[1] >= width:
-            return source[:, :width]
-        pad = source.new_zeros((source.shape[0], width - source.shape[1], source.shape[2]))
-        return torch.cat([source, pad], dim=1)  # columns past the active block are never read
 
 
 def fef_round(
@@ -151,8 +130,8 @@ def fef_round(
     target_positions[rows, num_drafts] = picks[rows, num_drafts].clamp(min=0)
     has_bonus = picks[rows, num_drafts] >= 0
     target_logits = forbid_token(all_logits[copy_index.clamp(min=0), target_positions], mask_id)  # [R, W+1, V]
-    outcome = verify_logits(drafts, window_logits, target_logits, num_drafts, temperature=temperature,
-                            has_bonus=has_bonus, generator=generator)
+    outcome = rejection_sample(drafts, window_logits, target_logits, num_drafts, temperature=temperature,
+                               has_bonus=has_bonus, noise=Noise(generator=generator))
     stats.count_verification(num_drafts, outcome.num_accepted, outcome.num_emitted)
 
     emitted_positions = torch.where(outcome.tokens >= 0, target_positions, -1)
@@ -189,8 +168,8 @@ def structured_round(
         bonus = torch.where(available > width, ranked[:, width], bonus)
     drafts, window_logits = _draft(draft_logits[rows[:, None], positions], mask_id, temperature, generator)
     targets, state_logits = view.structured(x, positions, drafts, count, bonus)
-    outcome = verify_logits(drafts, window_logits, forbid_token(targets, mask_id), count, temperature=temperature,
-                            has_bonus=bonus >= 0, generator=generator)
+    outcome = rejection_sample(drafts, window_logits, forbid_token(targets, mask_id), count,
+                               temperature=temperature, has_bonus=bonus >= 0, noise=Noise(generator=generator))
     stats.count_verification(count, outcome.num_accepted, outcome.num_emitted)
     target_positions = torch.cat([positions, positions[:, :1]], dim=1)
     target_positions[rows, count] = bonus.clamp(min=0)

@@ -168,3 +168,52 @@ def test_properties(batch, width, vocab, seed, bonus, point_mass, greedy):
         assert bool((row[e:] == -1).all()) and bool((row[:e] >= 0).all()) and bool((row[:e] < vocab).all())
         if e > a:  # the correction/bonus never has target probability 0
             assert target[b, a, row[a]] > 0
+
+
+def _logits_case(batch=6, width=3, vocab=7, seed=0):
+    g = gen(seed)
+    drafts = torch.randint(0, vocab, (batch, width), generator=g)
+    return drafts, torch.randn(batch, width, vocab, generator=g), torch.randn(batch, width + 1, vocab, generator=g)
+
+
+def test_rejection_sample_noise_replays_each_source():
+    from dllm.kernels import verify_logits_reference
+    from dllm.kernels.noise import STREAM_RESIDUAL, counter_gumbels
+    from dllm.samplers.verify import Noise, rejection_sample
+
+    drafts, draft_logits, target_logits = _logits_case()
+    by_generator = rejection_sample(drafts, draft_logits, target_logits, temperature=0.8, noise=Noise(generator=gen(3)))
+    old = verify_logits_reference(drafts, draft_logits, target_logits, temperature=0.8, generator=gen(3))
+    assert torch.equal(by_generator.tokens, old.tokens)
+    # Explicit uniforms win over the seed for acceptance; the seed still gives the residual Gumbels.
+    uniforms = torch.rand(drafts.shape, generator=gen(4), dtype=torch.float64)
+    mixed = rejection_sample(drafts, draft_logits, target_logits, temperature=0.8,
+                             noise=Noise(seed=9, uniforms=uniforms))
+    explicit = verify(drafts, softmax(draft_logits, 0.8), softmax(target_logits, 0.8), uniforms=uniforms,
+                      gumbels=counter_gumbels(9, STREAM_RESIDUAL, torch.arange(6), 7))
+    assert torch.equal(mixed.tokens, explicit.tokens) and torch.equal(mixed.num_emitted, explicit.num_emitted)
+    # Different noise must be able to change the outcome, or the comparisons above prove nothing.
+    others = {tuple(rejection_sample(drafts, draft_logits, target_logits, temperature=0.8,
+                                     noise=Noise(seed=s)).tokens.flatten().tolist()) for s in range(5)}
+    assert len(others) > 1
+
+
+def test_rejection_sample_bad_noise_names_the_parameter():
+    import pytest
+
+    from dllm.kernels import verify_logits
+    from dllm.samplers.verify import Noise, rejection_sample
+
+    drafts, draft_logits, target_logits = _logits_case()
+    with pytest.raises(ValueError, match="noise must be"):
+        rejection_sample(drafts, draft_logits, target_logits, temperature=1.0, noise=gen())
+    with pytest.raises(ValueError, match="seed must be an integer"):
+        Noise(seed=-1)
+    with pytest.raises(ValueError, match="uniforms must be a 2-D"):
+        Noise(uniforms=torch.rand(3, dtype=torch.float64))
+    with pytest.raises(ValueError, match="gumbels must be a 2-D float64"):
+        Noise(gumbels=torch.zeros(2, 7))
+    with pytest.raises(ValueError, match="not both"):
+        verify_logits(drafts, draft_logits, target_logits, temperature=1.0, noise=Noise(seed=1), generator=gen())
+    with pytest.raises(ValueError, match="generator"):
+        rejection_sample(drafts, draft_logits, target_logits, temperature=1.0, noise=Noise())

@@ -1,0 +1,116 @@
+"""The Drafter interface of ar_spec: hand-built proposals and rollbacks, and a drafter written outside the
+package keeping the output law exact (and a dishonest one breaking it, so the check has power)."""
+
+import pytest
+import torch
+
+from dllm.models.oracle import HMMOracle
+from dllm.numerics import bind_rows, sample_from_logits
+from dllm.samplers import sequential_distribution
+from dllm.samplers.ar import ar_spec
+from dllm.samplers.drafters import CausalDrafter, Draft, DraftContext, Drafter, NgramDrafter
+from dllm.stats import DecodeStats
+
+from stat_tools import ALPHA, chi_square_pvalue
+
+PROMPT = torch.tensor([0, 2])
+GEN = 4
+
+
+def context(rows, num_drafts):
+    return DraftContext(torch.tensor(rows), torch.tensor(num_drafts), 1.0, torch.Generator().manual_seed(0), 3)
+
+
+def test_ngram_drafter_proposes_the_latest_continuation_as_point_masses():
+    seq = torch.tensor([[1, 2, 3, 1, 2, 0, 0], [4, 5, 6, 7, 0, 0, 0]])
+    draft = NgramDrafter(max_ngram=2).propose(seq, torch.tensor([5, 4]), 3, context([0, 1], [2, 3]))
+    # Row 0: suffix (1, 2) occurred at 0, followed by 3, 1, 2; cut to its 2 verifiable drafts. Row 1: no match.
+    assert draft.tokens[0, :2].tolist() == [3, 1] and draft.count.tolist() == [2, 0] and draft.logits is None
+
+
+class RecordingCache:
+    def __init__(self, length):
+        self.length, self.log = length, []
+
+    def select(self, kept):
+        self.log.append(("select", kept.tolist()))
+        return self
+
+    def crop(self, length):
+        self.log.append(("crop", length))
+        self.length = min(self.length, length)
+
+
+def test_causal_drafter_rollback_keeps_rows_and_forgets_entries_that_saw_padding():
+    kv = RecordingCache(length=20)
+    drafter = CausalDrafter(caller=None, kv=kv)
+    drafter._shortest, drafter._width = 9, 4  # as propose records them: min(lengths) and k of the round
+    drafter.rollback(torch.tensor([0, 2]), accepted=15)
+    # Entries past min(length) + K - 1 = 12 saw padding where the shortest row's last draft went.
+    assert kv.log == [("select", [0, 2]), ("crop", 12)]
+    drafter.rollback(None, accepted=10)
+    assert kv.log[-1] == ("crop", 10)
+
+
+class FixedDrafter(Drafter):
+    """A drafter from outside the package: drafts from fixed logits, whatever the sequence says."""
+
+    def __init__(self, logits, claimed=None):
+        self.logits, self.claimed = logits, claimed  # claimed: the logits it reports (dishonest if not its own)
+
+    def propose(self, sequences, lengths, k, ctx):
+        logits = self.logits.expand(len(ctx.rows), k, -1)
+        flat_rows = ctx.rows.repeat_interleave(k)
+        tokens = sample_from_logits(logits.reshape(-1, logits.shape[-1]), ctx.temperature,
+                                    bind_rows(ctx.generator, flat_rows)).reshape(len(ctx.rows), k)
+        reported = logits if self.claimed is None else self.claimed.expand_as(logits)
+        return Draft(tokens, reported, ctx.num_drafts)
+
+
+@pytest.mark.parametrize("honest", [True, False])
+def test_a_new_drafter_keeps_ar_spec_exact_only_with_its_own_logits(honest):
+    oracle = HMMOracle.random(num_states=3, num_tokens=3, seed=0, stickiness=2.0, sharpness=2.0).as_causal()
+    assert oracle.vocab_size == 4  # three tokens and a mask id, never to be drafted
+    own = torch.tensor([0.3, -0.2, 0.1, -float("inf")])
+    claimed = torch.tensor([4.0, -4.0, -4.0, -float("inf")])
+    drafter = FixedDrafter(own) if honest else FixedDrafter(own, claimed=claimed)
+    stats = DecodeStats()
+    out = ar_spec(oracle, PROMPT.expand(12000, -1), GEN, temperature=1.0, generator=torch.Generator().manual_seed(5),
+                  stats=stats, drafter=drafter, num_draft_tokens=3)
+    pvalue = chi_square_pvalue(out[:, PROMPT.numel():], sequential_distribution(oracle, PROMPT, GEN))
+    assert (pvalue > ALPHA) if honest else (pvalue < 1e-6)
+    assert 0 < stats.accepted < stats.drafted
+
+
+class FakeView:
+    """The parts of samplers.canvas.View a draft source reads."""
+
+    def __init__(self, offset, active, width=6, rows=(0, 1)):
+        self.offset, self.rows, self.calls = offset, torch.tensor(rows), 0
+        self.x = torch.zeros((len(rows), width), dtype=torch.long)
+        self.region = torch.zeros(width, dtype=torch.bool)
+        self.region[active] = True
+
+    def call(self, x, rows):
+        self.calls += 1
+        return torch.full((*x.shape, 3), float(self.calls))
+
+
+def test_stale_drafts_reuse_the_verified_copy_and_call_afresh_when_it_does_not_cover_the_block():
+    from dllm.samplers.drafters import MarginalDrafts, StaleDrafts
+
+    source, view = StaleDrafts(), FakeView(offset=2, active=slice(0, 3))
+    logits, is_state = source.logits(view)
+    assert is_state and view.calls == 1  # nothing stale yet: a call on the state
+    verified = torch.arange(2 * 6 * 3, dtype=torch.float).reshape(2, 6, 3)
+    source.observe(view, verified)
+    logits, is_state = source.logits(view)
+    assert not is_state and view.calls == 1 and torch.equal(logits, verified)
+    shifted = FakeView(offset=5, active=slice(0, 3))  # three columns on: the stale logits cover 3 of 6
+    logits, is_state = source.logits(shifted)
+    assert not is_state and torch.equal(logits[:, :3], verified[:, 3:]) and shifted.calls == 0
+    beyond = FakeView(offset=5, active=slice(0, 4))  # the active block reaches past what was scored
+    assert source.logits(beyond)[1] and beyond.calls == 1
+    marginal, again = MarginalDrafts(), FakeView(offset=2, active=slice(0, 3))
+    marginal.observe(again, verified)
+    assert marginal.logits(again)[1] and again.calls == 1  # marginal drafts always call
