@@ -24,14 +24,13 @@ placeholders that ``num_drafts`` excludes). ``ar_spec`` therefore fits any conte
 
 from __future__ import annotations
 
-import operator
 import warnings
 
 import torch
 
 from dllm.kernels import verify_logits
 from dllm.numerics import bind_rows, forbid_token, sample_from_logits
-from dllm.protocols import has_cache, is_diffusion_model
+from dllm.protocols import capabilities, has_cache, is_diffusion_model
 from dllm.stats import DecodeStats
 from dllm.stops import emitted_until_stop, fill_token, is_stop
 
@@ -204,15 +203,8 @@ def _draft(drafter, caller, seq, rows, length, num_drafts, width, temperature, g
 
 
 def _block_size(model) -> int | None:
-    """A block-causal model's block size (any integer type), else None."""
-    size = getattr(model, "block_size", None)
-    if size is None or isinstance(size, bool):
-        return None
-    try:
-        size = operator.index(size)
-    except TypeError:
-        return None
-    return size if size > 0 else None
+    """A block-causal model's block size, else None."""
+    return capabilities(model).block_size
 
 
 def _draft_canvas(seq, length, size: int, mask_token_id: int) -> torch.Tensor:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from dllm.protocols import capabilities
 from dllm.stats import DecodeStats
 
 from .canvas import SESSIONS, Caller, Canvas, choose_session, decode
@@ -25,7 +26,7 @@ def run(
         mask[:, : prompt.shape[1]] = attention_mask
     # Block-causal models line their blocks up with the answer: its first position, in position ids.
     offset = None
-    if getattr(model, "block_size", None) is not None:
+    if capabilities(model).block_size is not None:
         real = prompt.new_full((prompt.shape[0],), prompt.shape[1])
         offset = (attention_mask.sum(dim=1) if attention_mask is not None else real).long()
     mode = choose_session(cache, model, block_length)
