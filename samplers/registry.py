@@ -241,14 +241,14 @@ def _check_drafter(values: dict[str, Any], model) -> None:
 
 def _check_native(values: dict[str, Any], model) -> None:
     """The model must bring its own loop; a drafter (transformers' assisted generation) only for a causal one."""
-    if not capabilities(model).native_generate:
+    if not capabilities(model).native_loop:
         raise TypeError(f"sampler='native' runs a checkpoint's own sampler through native_generate(); "
                         f"{type(model).__name__} has none (DiffusionGemma, Dream and causal adapters do; Dream's "
                         "diffusion_generate is its hub code: dllm.load(..., trust_remote_code=True))")
     drafter = values.get("drafter")
     # A drafter with its own native loop is a loaded causal checkpoint, the assistant transformers takes.
     if drafter is not None and not (is_causal_model(model) and is_causal_model(drafter)
-                                    and capabilities(drafter).native_generate):
+                                    and capabilities(drafter).native_loop):
         raise TypeError("sampler='native' takes a drafter only for a causal model, as a loaded causal "
                         "checkpoint (transformers' assisted generation)")
 

@@ -52,7 +52,7 @@ def test_undeclared_model_gets_its_documented_attributes_once():
     """A model written against the documented attributes (no record) keeps its powers."""
     caps = capabilities(Replaying(HMMOracle.random()))
     assert caps.cache and caps.cache_crop and not caps.cache_drop and not caps.cache_exact  # it declares none
-    assert not caps.structured_verify and not caps.native_generate and caps.block_size is None
+    assert not caps.structured_verify and not caps.native_loop and caps.block_size is None
 
     class Sized:
         block_size, context_length, needs_prompt = 4, True, 1  # a bool is no size; truthy flags are flags

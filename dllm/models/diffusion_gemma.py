@@ -103,7 +103,7 @@ class DiffusionGemmaAdapter(_HFAdapter):
         # block_logits_only: samplers' blocks must nest inside the model's (see samplers/registry.py).
         # The cache neither crops nor drops (sliding-window layers keep only their window).
         return dataclasses.replace(super().capabilities, block_size=self.block_size, block_logits_only=True,
-                                   needs_prompt=True, cache=True, cache_exact=self.cache_exact, native_generate=True)
+                                   needs_prompt=True, cache=True, cache_exact=self.cache_exact, native_loop=True)
 
     def __init__(self, model, tokenizer=None, mask_token_id: int | None = None, fill_seed: int = 0):
         super().__init__(model, tokenizer)

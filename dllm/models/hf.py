@@ -249,7 +249,7 @@ class DreamAdapter(_DiffusionAdapter):
 
     @property
     def capabilities(self) -> Capabilities:
-        return dataclasses.replace(super().capabilities, native_generate=True)
+        return dataclasses.replace(super().capabilities, native_loop=True)
 
     def native_generate(self, prompt: Tensor, max_new_tokens: int, *, temperature: float, generator, stats,
                         attention_mask: Tensor | None = None, eos_token_id=None, **generate_kwargs) -> Tensor:
@@ -402,7 +402,7 @@ class CausalLMAdapter(_HFAdapter):
     def capabilities(self) -> Capabilities:
         """An exact KV cache that crops (a sliding-window one says so on the cache: ``croppable``), own generate."""
         return dataclasses.replace(super().capabilities, cache=True, cache_exact=self.cache_exact, cache_crop=True,
-                                   native_generate=True)
+                                   native_loop=True)
 
     def __init__(self, model, tokenizer=None):
         super().__init__(model, tokenizer)
