@@ -1,4 +1,4 @@
-"""Every sampler's name, model kind, options with defaults, and validation (done once, at the door)."""
+"""Every sampler: its name, model kind, run function and frozen config (options, defaults, validate at the door)."""
 
 from __future__ import annotations
 

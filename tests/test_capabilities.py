@@ -13,6 +13,7 @@ import dllm
 from dllm.models.oracle import HMMOracle
 from dllm.models.transformer import TransformerConfig, TransformerLM
 from dllm.protocols import Capabilities, capabilities
+
 from model_stubs import Replaying
 
 SAMPLERS_DIR = Path(__file__).resolve().parents[1] / "samplers"
@@ -90,7 +91,8 @@ def test_no_sampler_probes_a_model_with_getattr():
     found = []
     for path in sorted(SAMPLERS_DIR.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr"):
+            call = isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            if call and node.func.id in ("getattr", "hasattr"):
                 subject = ast.unparse(node.args[0])
                 if "model" in subject or "drafter" in subject:
                     found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
