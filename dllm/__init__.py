@@ -8,12 +8,13 @@ from dllm.api import GenerateOutput, generate
 from dllm.models.chat import apply_chat_template
 from dllm.models.loading import load
 from dllm.models.oracle import HMMOracle, InconsistentModel
-from dllm.protocols import CausalModel, DiffusionModel
+from dllm.protocols import Capabilities, CausalModel, DiffusionModel, capabilities
 from dllm.stats import DecodeStats
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Capabilities",
     "CausalModel",
     "DecodeStats",
     "DiffusionModel",
@@ -21,6 +22,7 @@ __all__ = [
     "HMMOracle",
     "InconsistentModel",
     "apply_chat_template",
+    "capabilities",
     "generate",
     "load",
 ]

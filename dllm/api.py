@@ -23,10 +23,9 @@ from dllm.protocols import (
     padding_refusal,
 )
 from dllm.samplers import SAMPLERS, SamplerSpec
+from dllm.samplers.registry import check_callback
 from dllm.stats import DecodeStats
 from dllm.stops import answer_lengths, resolve
-
-APPROXIMATE_CACHES = ("prefix", "dual")  # Fast-dLLM caches: cached keys go stale, outputs drift
 
 
 @dataclass
@@ -84,23 +83,24 @@ def generate(
                         f"got {type(generator).__name__}")
     attention_mask = _check_attention_mask(attention_mask, input_ids, model)
     stop_ids = resolve(model, eos_token_id)
-    resolved = spec.resolve(options, model=model, max_new_tokens=max_new_tokens)
+    config = spec.configure(options, model=model, max_new_tokens=max_new_tokens)
+    callback = check_callback(options.get("callback"))
     _check_context(model, input_ids, attention_mask, max_new_tokens)
 
     stats = DecodeStats()
     _synchronize(input_ids.device)
     start = time.perf_counter()
     sequences = spec.run(model, input_ids, max_new_tokens, temperature=temperature, generator=generator,
-                         stats=stats, attention_mask=attention_mask, eos_token_id=stop_ids, **resolved)
+                         stats=stats, attention_mask=attention_mask, eos_token_id=stop_ids, callback=callback,
+                         **config.values())
     _synchronize(input_ids.device)
     stats.wall_time_s = time.perf_counter() - start
     if stop_ids is not None:
         stats.new_tokens = int(answer_lengths(sequences[:, input_ids.shape[1] :], stop_ids).sum())
-    shown = {k: v for k, v in resolved.items() if k != "callback"}
+    shown = config.values()
     if shown.get("drafter") is not None and not isinstance(shown["drafter"], str):
         shown["drafter"] = type(shown["drafter"]).__name__
-    exact = spec.exact and shown.get("cache") not in APPROXIMATE_CACHES and shown.get("verifier") != "structured"
-    return GenerateOutput(sequences, stats, sampler, shown, exact, seed)
+    return GenerateOutput(sequences, stats, sampler, shown, config.exact, seed)
 
 
 def _check_sampler(sampler: str) -> SamplerSpec:

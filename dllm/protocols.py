@@ -1,12 +1,15 @@
 """The two model protocols every sampler is written against: tokens in, logits out.
 
 Samplers see nothing else. Faster paths (a KV cache, a model-specific window verifier) are optional
-capabilities found with ``getattr`` and must give the same answer as the plain call.
+capabilities, declared in one ``Capabilities`` record per model (``capabilities(model)``), and must give
+the same answer as the plain call.
 """
 
 from __future__ import annotations
 
 import inspect
+import operator
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -47,44 +50,117 @@ def is_causal_model(model: object) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Optional capabilities. Samplers look them up with getattr and use them only when present; each must
-# give the same answer as the plain call (up to floating point) unless it says it is approximate.
+# Optional capabilities: one frozen ``Capabilities`` record per model, read by samplers through
+# ``capabilities(model)`` (never by getattr on the model). An adapter declares its record as a
+# ``capabilities`` property; a bare logits function gets the record derived once, here, from the attributes
+# documented below (so user models written against them keep working). Each capability must give the
+# same answer as the plain call (up to floating point) unless it says it is approximate.
 #
-# attention_mask (ragged prompts): a model whose attribute ``accepts_attention_mask`` is True is called
-#   as ``model(input_ids, attention_mask=mask)`` with mask [N, L] of 0/1 (0 = left padding). It derives
-#   position ids from the mask (0 at each row's first real token). Without it, padded batches are refused.
+# attention_mask (ragged prompts): a model with ``accepts_attention_mask`` is called as
+#   ``model(input_ids, attention_mask=mask)`` with mask [N, L] of 0/1 (0 = left padding). It derives
+#   position ids from the mask (0 at each row's first real token). Without it, padded batches are refused;
+#   ``padding_note`` (a phrase) may say why.
 #
-# context_length (the positions a model can read): an int attribute bounding the longest row's real tokens
+# context_length (the positions a model can read): an int bounding the longest row's real tokens
 #   (padding excluded, since positions come from the mask) plus max_new_tokens, less one for a causal model,
 #   which never reads the last token it samples. ``generate`` refuses longer requests before decoding (see
-#   ``max_prompt_length``); None or absent means no limit is checked.
+#   ``max_prompt_length``); None means no limit is checked.
 #
 # block_size (block-causal diffusion models): a model with an int ``block_size`` attends bidirectionally
 #   inside blocks and causally across them; samplers call it with ``block_offset=`` a LongTensor [N],
 #   the answer's first position per row in position-id coordinates, so model blocks line up with the
 #   sampler's blocks (which start at the answer). The sampler's block_length must equal block_size for
-#   the exact block cache.
+#   the exact block cache. ``block_logits_only``: the model gives logits only inside its active block,
+#   so a sampler's blocks must nest inside the model's.
 #
-# KV cache: ``model.new_cache()`` returns a cache with ``.length`` (int), ``.crop(length: int)`` (in place)
-#   and ``.select(rows: LongTensor) -> cache``. ``model.forward_cached(input_ids [N, n], cache, *,
+# KV cache (``cache``): ``model.new_cache()`` returns a cache with ``.length`` (int), ``.crop(length: int)``
+#   (in place) and ``.select(rows: LongTensor) -> cache``. ``model.forward_cached(input_ids [N, n], cache, *,
 #   rows=None, append=True, attention_mask=None, block_offset=None) -> logits [N, n, V]`` runs the new
 #   tokens against the cached prefix (positions continue after it). With ``append`` the cache grows by
 #   the new tokens (rows must be None); otherwise ``rows`` [N] names the cache row serving each input
 #   (several copies may share one row) and the cache is left unchanged. ``attention_mask`` [N, length + n]
-#   covers cached plus new keys. ``model.cache_exact`` (bool) says whether cached logits equal uncached
-#   ones: True for causal models, and for block-causal models while the cache holds only whole blocks
-#   before the inputs' block; False for bidirectional models (a Fast-dLLM-style approximation, opt-in).
+#   covers cached plus new keys. ``cache_exact`` says whether cached logits equal uncached ones: True for
+#   causal models, and for block-causal models while the cache holds only whole blocks before the inputs'
+#   block; False for bidirectional models (a Fast-dLLM-style approximation, opt-in). ``cache_crop``: its
+#   caches have ``crop`` (the prefix cache); ``cache_drop``: they have ``drop(start, end)`` and
+#   ``forward_cached`` takes ``position_ids=`` (the dual cache). A cache object whose ``croppable`` is False
+#   cannot roll back rejected drafts (a property of the cache, which may depend on its layers).
+#   ``commits_prefix``: ``forward_cached(..., rows=, commit=n)`` also appends the first n shared tokens.
 #
-# needs_prompt: a model whose attribute ``needs_prompt`` is True cannot decode after an empty prompt (an
-#   encoder that reads the prompt, say); ``generate`` refuses empty prompts for it. Every other model
-#   decodes from an empty prompt with every sampler and cache mode.
+# structured_verify: ``model.structured_verify(x, positions, drafts, count, bonus, ...)`` scores a fef
+#   window in one pass (see dllm/models/transformer.py); fef's ``verifier='structured'`` needs it.
+#
+# native_loop: ``model.native_generate(prompt, max_new_tokens, *, temperature, generator, stats, ...)``
+#   runs the checkpoint's own sampler (``sampler='native'``).
+#
+# needs_prompt: the model cannot decode after an empty prompt (an encoder that reads the prompt, say);
+#   ``generate`` refuses empty prompts for it. Every other model decodes from an empty prompt with every
+#   sampler and cache mode.
 # ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a model offers beyond ``model(input_ids) -> logits``; the defaults are a bare logits function's."""
+
+    accepts_attention_mask: bool = False
+    padding_note: str | None = None  # why padding cannot be honoured, when accepts_attention_mask is False
+    context_length: int | None = None
+    block_size: int | None = None
+    block_logits_only: bool = False
+    needs_prompt: bool = False
+    cache: bool = False  # new_cache() and forward_cached()
+    cache_exact: bool = False
+    cache_crop: bool = False
+    cache_drop: bool = False
+    commits_prefix: bool = False
+    structured_verify: bool = False
+    native_loop: bool = False  # native_generate(): the checkpoint's own loop
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "context_length", _positive_int(self.context_length))
+        object.__setattr__(self, "block_size", _positive_int(self.block_size))
+
+
+def _positive_int(value) -> int | None:
+    """An int of any integer type (numpy's too) above 0, else None: what a size attribute means."""
+    if value is None or isinstance(value, bool):
+        return None
+    try:
+        value = operator.index(value)
+    except TypeError:
+        return None
+    return value if value > 0 else None
+
+
+def capabilities(model: object) -> Capabilities:
+    """The model's declared record (its ``capabilities`` attribute), else one derived from its attributes."""
+    declared = getattr(model, "capabilities", None)
+    if isinstance(declared, Capabilities):
+        return declared
+    # A bare logits function (or a model written against the attributes above): probe it, in this one place.
+    cache = callable(getattr(model, "forward_cached", None)) and callable(getattr(model, "new_cache", None))
+    made = model.new_cache() if cache else None
+    return Capabilities(
+        accepts_attention_mask=bool(getattr(model, "accepts_attention_mask", False)),
+        padding_note=getattr(model, "padding_note", None),
+        context_length=getattr(model, "context_length", None),
+        block_size=getattr(model, "block_size", None),
+        block_logits_only=bool(getattr(model, "block_logits_only", False)),
+        needs_prompt=bool(getattr(model, "needs_prompt", False)),
+        cache=cache,
+        cache_exact=cache and bool(getattr(model, "cache_exact", False)),
+        cache_crop=callable(getattr(made, "crop", None)),
+        cache_drop=callable(getattr(made, "drop", None)),
+        commits_prefix=bool(getattr(model, "commits_prefix", False)),
+        structured_verify=callable(getattr(model, "structured_verify", None)),
+        native_loop=callable(getattr(model, "native_generate", None)),
+    )
 
 
 def context_length(model: object) -> int | None:
     """The model's declared context (prompt + new tokens), or None when it declares no limit."""
-    value = getattr(model, "context_length", None)
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+    return capabilities(model).context_length
 
 
 def max_prompt_length(model: object, max_new_tokens: int) -> int | None:
@@ -97,25 +173,23 @@ def max_prompt_length(model: object, max_new_tokens: int) -> int | None:
 
 
 def accepts_attention_mask(model: object) -> bool:
-    return bool(getattr(model, "accepts_attention_mask", False))
+    return capabilities(model).accepts_attention_mask
 
 
 def padding_refusal(model: object) -> str:
-    """Why ``model`` cannot take a left-padded batch, naming its own class (wrappers set ``__wrapped__``).
-
-    A model that declares ``accepts_attention_mask = False`` may say why in ``padding_note`` (a phrase).
-    """
+    """Why ``model`` cannot take a left-padded batch, naming its own class (wrappers set ``__wrapped__``)."""
     inner = inspect.unwrap(model) if hasattr(model, "__wrapped__") else model
     name = type(inner).__name__
-    if not hasattr(inner, "accepts_attention_mask"):
+    declared = isinstance(getattr(inner, "capabilities", None), Capabilities)
+    if not declared and not hasattr(inner, "accepts_attention_mask"):
         return f"{name} declares no accepts_attention_mask, so padding would be read as tokens"
-    note = getattr(inner, "padding_note", None)
+    note = capabilities(inner).padding_note
     return f"{name} cannot honour left padding (its accepts_attention_mask is False" + (f": {note})" if note else ")")
 
 
 def has_cache(model: object) -> bool:
-    return callable(getattr(model, "forward_cached", None)) and callable(getattr(model, "new_cache", None))
+    return capabilities(model).cache
 
 
 def needs_prompt(model: object) -> bool:
-    return bool(getattr(model, "needs_prompt", False))
+    return capabilities(model).needs_prompt

@@ -26,13 +26,12 @@ placeholders that ``num_drafts`` excludes). ``ar_spec`` therefore fits any conte
 
 from __future__ import annotations
 
-import operator
 import warnings
 
 import torch
 
 from dllm.numerics import bind_rows, sample_from_logits
-from dllm.protocols import has_cache, is_diffusion_model
+from dllm.protocols import capabilities, has_cache, is_diffusion_model
 from dllm.stats import DecodeStats
 from dllm.stops import emitted_until_stop, fill_token, is_stop
 
@@ -183,12 +182,5 @@ def _target_rows(caller: Caller, kv, seq, rows, length, drafts) -> torch.Tensor:
 
 
 def _block_size(model) -> int | None:
-    """A block-causal model's block size (any integer type), else None."""
-    size = getattr(model, "block_size", None)
-    if size is None or isinstance(size, bool):
-        return None
-    try:
-        size = operator.index(size)
-    except TypeError:
-        return None
-    return size if size > 0 else None
+    """A block-causal model's block size, else None."""
+    return capabilities(model).block_size

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from dllm import stops
+from dllm.protocols import capabilities
 from dllm.stats import DecodeStats
 
 CACHE_MODES = ("auto", "none", "block", "prefix", "dual")
@@ -194,7 +195,7 @@ class BlockCacheSession:
         self.cached_until = 0  # canvas positions [0, cached_until) are in the cache
         # A model that can commit a shared prefix during a copies call lets the finished block ride along
         # with the next block's first call instead of costing a call of its own.
-        self.folds = bool(getattr(caller.model, "commits_prefix", False))
+        self.folds = capabilities(caller.model).commits_prefix
 
     def begin_block(self, block: int) -> None:
         self.block = block
@@ -322,6 +323,5 @@ def choose_session(cache: str, model, block_length: int) -> str:
     """Resolve the ``cache`` option: ``auto`` takes the exact block cache when the model offers one."""
     if cache != "auto":
         return cache
-    exact_blocks = bool(getattr(model, "cache_exact", False)) and getattr(model, "block_size", None) == block_length
-    has_cache = callable(getattr(model, "forward_cached", None)) and callable(getattr(model, "new_cache", None))
-    return "block" if exact_blocks and has_cache else "none"
+    caps = capabilities(model)
+    return "block" if caps.cache and caps.cache_exact and caps.block_size == block_length else "none"

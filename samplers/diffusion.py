@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from dllm.protocols import capabilities
 from dllm.stats import DecodeStats
 
 from .canvas import SESSIONS, Caller, Canvas, choose_session, decode
@@ -25,7 +26,7 @@ def run(
         mask[:, : prompt.shape[1]] = attention_mask
     # Block-causal models line their blocks up with the answer: its first position, in position ids.
     offset = None
-    if getattr(model, "block_size", None) is not None:
+    if capabilities(model).block_size is not None:
         real = prompt.new_full((prompt.shape[0],), prompt.shape[1])
         offset = (attention_mask.sum(dim=1) if attention_mask is not None else real).long()
     mode = choose_session(cache, model, block_length)
@@ -38,19 +39,18 @@ def _common(kw: dict) -> dict:
     return {k: kw.pop(k) for k in ("block_length", "cache", "attention_mask", "eos_token_id", "callback") if k in kw}
 
 
-def sequential(model, prompt, gen_length, *, temperature, generator, stats, order="left_to_right", **kw):
+# Option defaults are written once, on the configs in samplers/registry.py; generate passes every option.
+def sequential(model, prompt, gen_length, *, temperature, generator, stats, order, **kw):
     stepper = SequentialStepper(temperature, generator, stats, order)
     return run(stepper, model, prompt, gen_length, stats=stats, **_common(kw))
 
 
-def fef(model, prompt, gen_length, *, temperature, generator, stats, order="left_to_right", window=4,
-        draft="marginal", verifier="copies", **kw):
+def fef(model, prompt, gen_length, *, temperature, generator, stats, order, window, draft, verifier, **kw):
     stepper = FefStepper(temperature, generator, stats, order, window, draft, verifier)
     return run(stepper, model, prompt, gen_length, stats=stats, **_common(kw))
 
 
-def llada(model, prompt, gen_length, *, temperature, generator, stats, steps, remasking="low_confidence",
-          cfg_scale=0.0, **kw):
+def llada(model, prompt, gen_length, *, temperature, generator, stats, steps, remasking, cfg_scale, **kw):
     common = _common(kw)
     steps_per_block = steps // (gen_length // common["block_length"])
     stepper = LladaStepper(temperature, generator, stats, steps_per_block, common["block_length"], remasking,
@@ -58,20 +58,19 @@ def llada(model, prompt, gen_length, *, temperature, generator, stats, steps, re
     return run(stepper, model, prompt, gen_length, stats=stats, **common)
 
 
-def dream(model, prompt, gen_length, *, temperature, generator, stats, steps, alg="maskgit_plus", alg_temp=None,
-          top_p=None, top_k=None, **kw):
+def dream(model, prompt, gen_length, *, temperature, generator, stats, steps, alg, alg_temp, top_p, top_k, **kw):
     common = _common(kw)
     steps_per_block = steps // (gen_length // common["block_length"])
     stepper = DreamStepper(temperature, generator, stats, steps_per_block, alg, alg_temp, top_p, top_k)
     return run(stepper, model, prompt, gen_length, stats=stats, **common)
 
 
-def fast_dllm(model, prompt, gen_length, *, temperature, generator, stats, threshold=None, factor=None, **kw):
+def fast_dllm(model, prompt, gen_length, *, temperature, generator, stats, threshold, factor, **kw):
     stepper = FastDllmStepper(temperature, generator, stats, threshold, factor)
     return run(stepper, model, prompt, gen_length, stats=stats, **_common(kw))
 
 
-def eb(model, prompt, gen_length, *, temperature, generator, stats, gamma=0.01, **kw):
+def eb(model, prompt, gen_length, *, temperature, generator, stats, gamma, **kw):
     stepper = EbStepper(temperature, generator, stats, gamma)
     return run(stepper, model, prompt, gen_length, stats=stats, **_common(kw))
 

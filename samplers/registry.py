@@ -1,15 +1,15 @@
-"""Every sampler's name, model kind, options with defaults, and validation (done once, at the door)."""
+"""Every sampler: its name, model kind, run function and frozen config (options, defaults, validate at the door)."""
 
 from __future__ import annotations
 
 import json
 import math
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, ClassVar
 
 from dllm.defaults import FEF_DRAFT, FEF_WINDOW
-from dllm.protocols import has_cache, is_causal_model, is_diffusion_model
+from dllm.protocols import capabilities, is_causal_model, is_diffusion_model
 
 from . import ar, diffusion, fef, masked, native
 from .canvas import CACHE_MODES
@@ -76,54 +76,94 @@ def parse_options(sampler: str, items: Iterable[str], flag: str = "--option") ->
         raise ValueError(f"{flag} {error}") from None
 
 
+def option(default: Any, check: Callable[[str, Any], None], kind: str) -> Any:
+    """A config field that is a sampler option: its default is written here, once."""
+    return field(default=default, metadata={"option": Option(default, check, kind)})
+
+
 @dataclass(frozen=True)
-class SamplerSpec:
-    """A sampler: the function that runs it, the model protocol it needs, and its options."""
+class SamplerConfig:
+    """A sampler's options; ``validate`` fills the defaults that depend on the model and checks everything once."""
 
-    name: str
-    run: Callable[..., Any]
-    model_kind: str  # "diffusion" or "causal"
-    exact: bool  # samples exactly the sequential chain of the model (or of the causal target)
-    options: dict[str, Option]
+    EXACT: ClassVar[bool] = False  # the sampler samples exactly the sequential chain (of the causal target)
 
-    def resolve(self, given: dict[str, Any], *, model, max_new_tokens: int) -> dict[str, Any]:
-        """Fill defaults and validate; unknown names and bad values raise naming the option."""
-        unknown = sorted(set(given) - set(self.options) - {"callback"})
-        if unknown:
-            raise TypeError(f"unknown option(s) {unknown} for sampler {self.name!r}; "
-                            f"allowed: {sorted(self.options) + ['callback']}")
-        values = {name: given.get(name, opt.default) for name, opt in self.options.items()}
+    @classmethod
+    def options(cls) -> dict[str, Option]:
+        return {f.name: f.metadata["option"] for f in fields(cls)}
+
+    def values(self) -> dict[str, Any]:
+        """The options by name (not dataclasses.asdict, which would deep-copy a drafter model)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @property
+    def exact(self) -> bool:
+        """Whether this run samples the exact law (an approximate cache or verifier makes it drift)."""
+        return self.EXACT
+
+    def validate(self, model, max_new_tokens: int) -> SamplerConfig:
+        """This config with defaults filled; bad values raise naming the option."""
+        options, values = self.options(), self.values()
         # block_length / steps default to max_new_tokens (also when passed as None), except that a
         # block-causal model's blocks are its own block_size when that divides max_new_tokens: decoding
         # then matches training and the exact block cache applies.
-        block_size = getattr(model, "block_size", None)
-        nested = bool(getattr(model, "block_logits_only", False)) and bool(block_size)
+        caps = capabilities(model)
+        block_size = caps.block_size
+        nested = caps.block_logits_only and bool(block_size)
         if "block_length" in values and values["block_length"] in (MAX_NEW, None) and block_size:
             if max_new_tokens % block_size == 0:
                 values["block_length"] = block_size
             elif nested:  # blocks must nest in the model's: the largest size dividing both
                 values["block_length"] = math.gcd(block_size, max_new_tokens)
-        values = {name: max_new_tokens if v is MAX_NEW or (v is None and self.options[name].default is MAX_NEW)
+        values = {name: max_new_tokens if v is MAX_NEW or (v is None and options[name].default is MAX_NEW)
                   else v for name, v in values.items()}
-        for name, opt in self.options.items():
+        for name, opt in options.items():
             opt.check(name, values[name])
         if nested and "block_length" in values and block_size % values["block_length"]:
             raise ValueError(f"block_length={values['block_length']} must divide this model's block_size={block_size}: "
                              f"{type(model).__name__} gives logits only inside its own blocks, so a sampler's "
                              "block may not straddle two of them")
         _check_schedule(values, max_new_tokens)
-        if self.name != "native":  # native's drafter is a transformers assistant, checked below
-            _check_drafter(values, model)
         _check_cache(values, model)
-        _check_verifier(values, model)
-        if self.name == "native":
-            _check_native(values, model)
-        if values.get("threshold") is not None and values.get("factor") is not None:
-            raise ValueError("fast_dllm takes either threshold or factor, not both")
-        callback = given.get("callback")
-        if callback is not None and not callable(callback):
-            raise TypeError(f"callback must be callable or None, got {type(callback).__name__}")
-        return {**values, "callback": callback}
+        return replace(self, **values)
+
+
+@dataclass(frozen=True)
+class SamplerSpec:
+    """A sampler: the function that runs it, the model protocol it needs, and its config class."""
+
+    name: str
+    run: Callable[..., Any]
+    model_kind: str  # "diffusion", "causal" or "any"
+    config: type[SamplerConfig]
+
+    @property
+    def exact(self) -> bool:
+        return self.config.EXACT
+
+    @property
+    def options(self) -> dict[str, Option]:
+        return self.config.options()
+
+    def configure(self, given: Mapping[str, Any], *, model, max_new_tokens: int) -> SamplerConfig:
+        """The validated config of ``given`` options (``callback`` aside); unknown names raise with the list."""
+        unknown = sorted(set(given) - set(self.options) - {"callback"})
+        if unknown:
+            raise TypeError(f"unknown option(s) {unknown} for sampler {self.name!r}; "
+                            f"allowed: {sorted(self.options) + ['callback']}")
+        config = self.config(**{k: v for k, v in given.items() if k != "callback"})
+        return config.validate(model, max_new_tokens)
+
+    def resolve(self, given: dict[str, Any], *, model, max_new_tokens: int) -> dict[str, Any]:
+        """Fill defaults and validate; unknown names and bad values raise naming the option."""
+        config = self.configure(given, model=model, max_new_tokens=max_new_tokens)
+        return {**config.values(), "callback": check_callback(given.get("callback"))}
+
+
+def check_callback(callback):
+    """The callback option: a callable or None."""
+    if callback is not None and not callable(callback):
+        raise TypeError(f"callback must be callable or None, got {type(callback).__name__}")
+    return callback
 
 
 def _int_at_least(minimum: int) -> Callable[[str, Any], None]:
@@ -201,13 +241,14 @@ def _check_drafter(values: dict[str, Any], model) -> None:
 
 def _check_native(values: dict[str, Any], model) -> None:
     """The model must bring its own loop; a drafter (transformers' assisted generation) only for a causal one."""
-    if not callable(getattr(model, "native_generate", None)):
+    if not capabilities(model).native_loop:
         raise TypeError(f"sampler='native' runs a checkpoint's own sampler through native_generate(); "
                         f"{type(model).__name__} has none (DiffusionGemma, Dream and causal adapters do; Dream's "
                         "diffusion_generate is its hub code: dllm.load(..., trust_remote_code=True))")
     drafter = values.get("drafter")
+    # A drafter with its own native loop is a loaded causal checkpoint, the assistant transformers takes.
     if drafter is not None and not (is_causal_model(model) and is_causal_model(drafter)
-                                    and hasattr(drafter, "model")):
+                                    and capabilities(drafter).native_loop):
         raise TypeError("sampler='native' takes a drafter only for a causal model, as a loaded causal "
                         "checkpoint (transformers' assisted generation)")
 
@@ -216,7 +257,7 @@ def _check_verifier(values: dict[str, Any], model) -> None:
     """The structured verifier needs the model's one-pass method, left-to-right order and an exact view."""
     if values.get("verifier", "copies") == "copies":
         return
-    if not callable(getattr(model, "structured_verify", None)):
+    if not capabilities(model).structured_verify:
         raise ValueError(f"verifier='structured' needs a model with structured_verify(); "
                          f"{type(model).__name__} has none (use verifier='copies')")
     if values["order"] != "left_to_right":
@@ -230,71 +271,158 @@ def _check_cache(values: dict[str, Any], model) -> None:
     cache = values.get("cache", "auto")
     if cache in ("auto", "none"):
         return
-    if not has_cache(model):
+    caps = capabilities(model)
+    if not caps.cache:
         raise ValueError(f"cache={cache!r} needs a model with new_cache() and forward_cached(); "
                          f"{type(model).__name__} has none (use cache='none')")
-    if cache == "prefix" and not callable(getattr(model.new_cache(), "crop", None)):
+    if cache == "prefix" and not caps.cache_crop:
         raise ValueError(f"cache='prefix' needs a cache with crop(length); {type(model).__name__}'s has none "
                          "(use cache='auto')")
-    if cache == "dual" and not callable(getattr(model.new_cache(), "drop", None)):
+    if cache == "dual" and not caps.cache_drop:
         raise ValueError(f"cache='dual' needs a cache with drop(start, end); {type(model).__name__}'s has none")
     if cache == "block":
         block = values.get("block_length")
-        size, exact = getattr(model, "block_size", None), getattr(model, "cache_exact", False)
+        size, exact = caps.block_size, caps.cache_exact
         if not exact or size != block:
             raise ValueError(f"cache='block' is exact only for a block-causal model whose block_size equals "
                              f"block_length={block}; this model has block_size={size}, cache_exact={exact}. "
                              "Use cache='prefix' for the approximate Fast-dLLM prefix cache")
-    if values.get("cfg_scale", 0.0) > 0:
-        raise ValueError("cfg_scale > 0 needs full-sequence calls: use cache='none' (or 'auto')")
 
 
-BLOCK = {"block_length": Option(MAX_NEW, _int_at_least(1), "int"), "cache": Option("auto", _choice(CACHE_MODES), "str")}
-AR_CACHE = {"cache": Option("auto", _choice(("auto", "none")), "str")}
+APPROXIMATE_CACHES = ("prefix", "dual")  # Fast-dLLM caches: cached keys go stale, outputs drift
+
+
+@dataclass(frozen=True)
+class ArConfig(SamplerConfig):
+    """``ar``: plain next-token sampling, with the model's exact KV cache when it has one."""
+
+    EXACT: ClassVar[bool] = True
+    cache: str = option("auto", _choice(("auto", "none")), "str")
+
+
+@dataclass(frozen=True)
+class ArSpecConfig(ArConfig):
+    """``ar_spec``: speculative decoding of a causal target from an n-gram, causal or diffusion drafter."""
+
+    drafter: Any = option("ngram", _no_check, "drafter")
+    num_draft_tokens: int = option(4, _int_at_least(1), "int")
+    max_ngram: int = option(3, _int_at_least(1), "int")
+
+    def validate(self, model, max_new_tokens: int) -> ArSpecConfig:
+        config = super().validate(model, max_new_tokens)
+        _check_drafter(config.values(), model)
+        return config
+
+
+@dataclass(frozen=True)
+class _BlockConfig(SamplerConfig):
+    """Options of every masked-diffusion sampler: blocks and the cache mode."""
+
+    block_length: int = option(MAX_NEW, _int_at_least(1), "int")
+    cache: str = option("auto", _choice(CACHE_MODES), "str")
+
+    @property
+    def exact(self) -> bool:
+        return self.EXACT and self.cache not in APPROXIMATE_CACHES
+
+
+@dataclass(frozen=True)
+class LladaConfig(_BlockConfig):
+    """``llada``: LLaDA's low-confidence remasking over a fixed number of steps, optional classifier-free guidance."""
+
+    steps: int = option(MAX_NEW, _int_at_least(1), "int")
+    remasking: str = option("low_confidence", _choice(masked.REMASKING), "str")
+    cfg_scale: float = option(0.0, _number(0.0), "float")
+
+    def validate(self, model, max_new_tokens: int) -> LladaConfig:
+        config = super().validate(model, max_new_tokens)
+        if config.cache not in ("auto", "none") and config.cfg_scale > 0:
+            raise ValueError("cfg_scale > 0 needs full-sequence calls: use cache='none' (or 'auto')")
+        return config
+
+
+@dataclass(frozen=True)
+class DreamConfig(_BlockConfig):
+    """``dream``: Dream's unmasking algorithms with its top-p / top-k filters."""
+
+    steps: int = option(MAX_NEW, _int_at_least(1), "int")
+    alg: str = option("maskgit_plus", _choice(masked.DREAM_ALGORITHMS), "str")
+    alg_temp: float | None = option(None, _number(0.0, optional=True), "float")
+    top_p: float | None = option(None, _number(0.0, 1.0, low_open=True, optional=True), "float")
+    top_k: int | None = option(None, _optional_int(1), "int")
+
+
+@dataclass(frozen=True)
+class FastDllmConfig(_BlockConfig):
+    """``fast_dllm``: parallel unmasking above a confidence threshold (or by a factor)."""
+
+    threshold: float | None = option(None, _number(0.0, 1.0, optional=True), "float")
+    factor: float | None = option(None, _number(0.0, low_open=True, optional=True), "float")
+
+    def validate(self, model, max_new_tokens: int) -> FastDllmConfig:
+        config = super().validate(model, max_new_tokens)
+        if config.threshold is not None and config.factor is not None:
+            raise ValueError("fast_dllm takes either threshold or factor, not both")
+        return config
+
+
+@dataclass(frozen=True)
+class EbConfig(_BlockConfig):
+    """``eb``: entropy-bounded parallel unmasking."""
+
+    gamma: float = option(0.01, _number(0.0), "float")
+
+
+@dataclass(frozen=True)
+class SequentialConfig(_BlockConfig):
+    """``sequential``: one position per call, the reference chain fef reproduces."""
+
+    EXACT: ClassVar[bool] = True
+    order: str = option("left_to_right", _choice(ORDERS), "str")
+
+
+@dataclass(frozen=True)
+class FefConfig(SequentialConfig):
+    """``fef``: exact speculative denoising, a window of drafts verified per call."""
+
+    window: int = option(FEF_WINDOW, _int_at_least(1), "int")
+    draft: str = option(FEF_DRAFT, _choice(fef.DRAFT_SOURCES), "str")
+    verifier: str = option("copies", _choice(fef.VERIFIERS), "str")
+
+    @property
+    def exact(self) -> bool:
+        return super().exact and self.verifier != "structured"
+
+    def validate(self, model, max_new_tokens: int) -> FefConfig:
+        config = super().validate(model, max_new_tokens)
+        _check_verifier(config.values(), model)
+        return config
+
+
+@dataclass(frozen=True)
+class NativeConfig(SamplerConfig):
+    """``native``: the checkpoint's own loop (``native_generate``)."""
+
+    generate_kwargs: dict | None = option(None, _optional_dict, "dict")
+    drafter: Any = option(None, _no_check, "drafter")  # a transformers assistant, checked by _check_native
+
+    def validate(self, model, max_new_tokens: int) -> NativeConfig:
+        config = super().validate(model, max_new_tokens)
+        _check_native(config.values(), model)
+        return config
+
 
 SAMPLERS: dict[str, SamplerSpec] = {
     spec.name: spec
     for spec in [
-        SamplerSpec("ar", ar.ar, "causal", True, {**AR_CACHE}),
-        SamplerSpec("ar_spec", ar.ar_spec, "causal", True, {
-            **AR_CACHE,
-            "drafter": Option("ngram", _no_check, "drafter"),
-            "num_draft_tokens": Option(4, _int_at_least(1), "int"),
-            "max_ngram": Option(3, _int_at_least(1), "int"),
-        }),
-        SamplerSpec("llada", diffusion.llada, "diffusion", False, {
-            **BLOCK,
-            "steps": Option(MAX_NEW, _int_at_least(1), "int"),
-            "remasking": Option("low_confidence", _choice(masked.REMASKING), "str"),
-            "cfg_scale": Option(0.0, _number(0.0), "float"),
-        }),
-        SamplerSpec("dream", diffusion.dream, "diffusion", False, {
-            **BLOCK,
-            "steps": Option(MAX_NEW, _int_at_least(1), "int"),
-            "alg": Option("maskgit_plus", _choice(masked.DREAM_ALGORITHMS), "str"),
-            "alg_temp": Option(None, _number(0.0, optional=True), "float"),
-            "top_p": Option(None, _number(0.0, 1.0, low_open=True, optional=True), "float"),
-            "top_k": Option(None, _optional_int(1), "int"),
-        }),
-        SamplerSpec("fast_dllm", diffusion.fast_dllm, "diffusion", False, {
-            **BLOCK,
-            "threshold": Option(None, _number(0.0, 1.0, optional=True), "float"),
-            "factor": Option(None, _number(0.0, low_open=True, optional=True), "float"),
-        }),
-        SamplerSpec("eb", diffusion.eb, "diffusion", False, {**BLOCK, "gamma": Option(0.01, _number(0.0), "float")}),
-        SamplerSpec("sequential", diffusion.sequential, "diffusion", True, {
-            **BLOCK, "order": Option("left_to_right", _choice(ORDERS), "str"),
-        }),
-        SamplerSpec("native", native.native, "any", False, {
-            "generate_kwargs": Option(None, _optional_dict, "dict"),
-            "drafter": Option(None, _no_check, "drafter"),
-        }),
-        SamplerSpec("fef", diffusion.fef, "diffusion", True, {
-            **BLOCK,
-            "order": Option("left_to_right", _choice(ORDERS), "str"),
-            "window": Option(FEF_WINDOW, _int_at_least(1), "int"),
-            "draft": Option(FEF_DRAFT, _choice(fef.DRAFT_SOURCES), "str"),
-            "verifier": Option("copies", _choice(fef.VERIFIERS), "str"),
-        }),
+        SamplerSpec("ar", ar.ar, "causal", ArConfig),
+        SamplerSpec("ar_spec", ar.ar_spec, "causal", ArSpecConfig),
+        SamplerSpec("llada", diffusion.llada, "diffusion", LladaConfig),
+        SamplerSpec("dream", diffusion.dream, "diffusion", DreamConfig),
+        SamplerSpec("fast_dllm", diffusion.fast_dllm, "diffusion", FastDllmConfig),
+        SamplerSpec("eb", diffusion.eb, "diffusion", EbConfig),
+        SamplerSpec("sequential", diffusion.sequential, "diffusion", SequentialConfig),
+        SamplerSpec("native", native.native, "any", NativeConfig),
+        SamplerSpec("fef", diffusion.fef, "diffusion", FefConfig),
     ]
 }

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from dllm.numerics import bind_rows, forbid_token, sample_from_logits
+from dllm.protocols import capabilities, is_diffusion_model
 from dllm.stats import DecodeStats
 
 from .canvas import Canvas, View, block_candidates
@@ -56,7 +57,7 @@ def sequential_distribution(
     each answer (a tuple of token ids) to its probability. The ground truth for exactness tests; written
     independently of the samplers' loop on purpose.
     """
-    causal = getattr(model, "mask_token_id", None) is None
+    causal = not is_diffusion_model(model)
     mask_id = -1 if causal else model.mask_token_id
     canvas = Canvas.start(prompt[None], gen_length, block_length or gen_length, mask_id)
     positions = torch.arange(canvas.x.shape[1]) - canvas.prompt_length
@@ -64,7 +65,7 @@ def sequential_distribution(
     states, probs = canvas.x, torch.ones(1, dtype=torch.float64)
     p = prompt.numel()
     # Block-causal models line their blocks up with the answer, as the samplers call them.
-    extra = {"block_offset": torch.tensor([p])} if getattr(model, "block_size", None) is not None else {}
+    extra = {"block_offset": torch.tensor([p])} if capabilities(model).block_size is not None else {}
     for step in range(gen_length):
         if causal:
             logits = model(states[:, : p + step])[:, -1]

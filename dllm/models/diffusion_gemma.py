@@ -7,10 +7,13 @@ the exact block cache of its causal encoder.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import Tensor
 from transformers import DynamicCache
 
+from dllm.protocols import Capabilities
 from dllm.stops import fit_output
 
 from .hf import (
@@ -92,8 +95,15 @@ class DiffusionGemmaAdapter(_HFAdapter):
     """
 
     cache_exact = True
-    needs_prompt = True  # its encoder reads the tokens before the active block: there must be some
-    block_logits_only = True  # samplers' blocks must nest inside the model's (see samplers/registry.py)
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """Blocks of ``canvas_length`` with logits only inside them, an exact encoder cache, its own generate."""
+        # needs_prompt: its encoder reads the tokens before the active block, so there must be some.
+        # block_logits_only: samplers' blocks must nest inside the model's (see samplers/registry.py).
+        # The cache neither crops nor drops (sliding-window layers keep only their window).
+        return dataclasses.replace(super().capabilities, block_size=self.block_size, block_logits_only=True,
+                                   needs_prompt=True, cache=True, cache_exact=self.cache_exact, native_loop=True)
 
     def __init__(self, model, tokenizer=None, mask_token_id: int | None = None, fill_seed: int = 0):
         super().__init__(model, tokenizer)

@@ -15,6 +15,7 @@ and ``dtype``. Diffusion adapters also carry ``mask_token_id`` and set that toke
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 from typing import Any
 
@@ -24,7 +25,7 @@ from torch import Tensor
 from transformers import DynamicCache
 
 from dllm.models.remote import guard
-from dllm.protocols import padding_refusal
+from dllm.protocols import Capabilities, padding_refusal
 from dllm.stops import fit_output
 
 # Chat templates end an assistant turn with one of these (LLaDA/Llama 3, Qwen/Dream, Gemma).
@@ -121,6 +122,12 @@ class _HFAdapter:
 
     # Why padding cannot be honoured when accepts_attention_mask is False (subclasses say more).
     padding_note = "its forward takes no position_ids, so padding would shift every position"
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """The record samplers read (dllm.protocols); subclasses add what they offer."""
+        return Capabilities(accepts_attention_mask=bool(self.accepts_attention_mask), padding_note=self.padding_note,
+                            context_length=self.context_length)
 
     def _refuse_padding(self) -> None:
         raise ValueError(f"{padding_refusal(self)}; pass equal-length rows without padding (or one row per call)")
@@ -239,6 +246,10 @@ class DreamAdapter(_DiffusionAdapter):
             keys = rearrange(mask.bool(), "b k -> b 1 1 k").expand(-1, -1, input_ids.shape[1], -1)
             raw = self.model(input_ids=input_ids, attention_mask=keys, position_ids=positions_from_mask(mask)).logits
         return torch.cat((raw[:, :1], raw[:, :-1]), dim=1)
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return dataclasses.replace(super().capabilities, native_loop=True)
 
     def native_generate(self, prompt: Tensor, max_new_tokens: int, *, temperature: float, generator, stats,
                         attention_mask: Tensor | None = None, eos_token_id=None, **generate_kwargs) -> Tensor:
@@ -386,6 +397,12 @@ class CausalLMAdapter(_HFAdapter):
     """
 
     cache_exact = True
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """An exact KV cache that crops (a sliding-window one says so on the cache: ``croppable``), own generate."""
+        return dataclasses.replace(super().capabilities, cache=True, cache_exact=self.cache_exact, cache_crop=True,
+                                   native_loop=True)
 
     def __init__(self, model, tokenizer=None):
         super().__init__(model, tokenizer)

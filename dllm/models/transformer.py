@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from dllm.models.cache import KVCache
+from dllm.protocols import Capabilities
 
 LAYOUTS = ("causal", "bidirectional", "block_causal")
 CONFIG_NAME = "config.json"
@@ -469,8 +470,17 @@ class TransformerLM(nn.Module):
         """Positions the rotary tables cover: prompt + new tokens may not exceed it (dllm.protocols)."""
         return self.config.max_seq_len
 
-    accepts_attention_mask = True  # capability flags read by the samplers (dllm.protocols)
-    commits_prefix = True  # forward_cached(..., rows=, commit=n) folds a cache fill into a copies call
+    accepts_attention_mask = True  # an instance may turn it off (as remote code that ignores the mask would)
+    padding_note: str | None = None  # and say why
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """The record samplers read (dllm.protocols): padding, blocks, the KV cache, one-pass verify."""
+        # commits_prefix: forward_cached(..., rows=, commit=n) folds a cache fill into a copies call.
+        return Capabilities(accepts_attention_mask=bool(self.accepts_attention_mask), padding_note=self.padding_note,
+                            context_length=self.context_length,
+                            block_size=self.config.block_size, cache=True, cache_exact=self.cache_exact,
+                            cache_crop=True, cache_drop=True, commits_prefix=True, structured_verify=True)
 
     @property
     def cache_exact(self) -> bool:

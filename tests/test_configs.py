@@ -1,0 +1,69 @@
+"""Per-sampler frozen configs: defaults written once, validate(model, max_new_tokens), exactness per run."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import dllm
+from dllm import defaults
+from dllm.models.oracle import HMMOracle, OracleCausalView
+from dllm.models.transformer import TransformerConfig, TransformerLM
+from dllm.samplers import SAMPLERS
+from dllm.samplers.registry import ArSpecConfig, FastDllmConfig, FefConfig, LladaConfig, SequentialConfig
+
+
+def _block_causal(block_size=2) -> TransformerLM:
+    torch.manual_seed(0)
+    return TransformerLM(TransformerConfig(vocab_size=12, dim=16, n_layers=1, n_heads=2, max_seq_len=32,
+                                           layout="block_causal", block_size=block_size, mask_token_id=11))
+
+
+def test_registry_maps_each_name_to_its_config_and_options_come_from_its_fields():
+    for name, spec in SAMPLERS.items():
+        assert list(spec.options) == [f.name for f in dataclasses.fields(spec.config)], name
+        config = spec.config()  # every option has its default, written once on the field
+        assert {k: o.default for k, o in spec.options.items()} == config.values(), name
+    assert (FefConfig().window, FefConfig().draft) == (defaults.FEF_WINDOW, defaults.FEF_DRAFT)
+
+
+def test_validate_fills_model_dependent_defaults_and_stays_frozen():
+    config = FefConfig(window=3).validate(_block_causal(), max_new_tokens=8)
+    assert isinstance(config, FefConfig) and (config.block_length, config.window) == (2, 3)  # the model's blocks
+    assert FefConfig().validate(HMMOracle.random(), max_new_tokens=6).block_length == 6  # max_new_tokens
+    assert LladaConfig().validate(HMMOracle.random(), max_new_tokens=6).steps == 6
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.window = 4
+
+
+def test_sampler_specific_rules_live_in_their_config():
+    oracle = HMMOracle.random()
+    with pytest.raises(ValueError, match="either threshold or factor"):
+        FastDllmConfig(threshold=0.5, factor=1.0).validate(oracle, max_new_tokens=4)
+    with pytest.raises(ValueError, match="needs a model with structured_verify"):
+        FefConfig(verifier="structured").validate(oracle, max_new_tokens=4)
+    with pytest.raises(ValueError, match="cfg_scale > 0 needs full-sequence calls"):
+        LladaConfig(cfg_scale=1.0, cache="block").validate(_block_causal(4), max_new_tokens=4)
+    with pytest.raises(ValueError, match="drafter must be 'ngram'"):
+        ArSpecConfig(drafter="bigram").validate(OracleCausalView(oracle), max_new_tokens=4)
+    with pytest.raises(ValueError, match="window must be >= 1"):
+        FefConfig(window=0).validate(oracle, max_new_tokens=4)
+    with pytest.raises(TypeError, match=r"unknown option\(s\) \['window'\] for sampler 'sequential'"):
+        SAMPLERS["sequential"].configure({"window": 2}, model=oracle, max_new_tokens=4)
+
+
+@pytest.mark.parametrize("config,exact", [
+    (FefConfig(), True), (FefConfig(cache="prefix"), False), (FefConfig(cache="dual"), False),
+    (FefConfig(verifier="structured"), False), (SequentialConfig(cache="block"), True), (LladaConfig(), False),
+])
+def test_exactness_is_the_configs(config, exact):
+    assert config.exact is exact
+
+
+def test_generate_reports_the_configs_exactness():
+    model, prompt = _block_causal(4), torch.tensor([[1, 2, 3]])
+    for options in ({}, {"cache": "prefix"}, {"verifier": "structured"}):
+        out = dllm.generate(model, prompt, max_new_tokens=4, generator=torch.Generator().manual_seed(0), **options)
+        assert out.exact is FefConfig(**options).exact, options
