@@ -53,6 +53,7 @@ from dllm.defaults import DTYPE, DTYPES, TEMPERATURE, resolve_dtype
 from dllm.eval import cost_model
 from dllm.eval.bench_report import markdown, print_table, write_plots
 from dllm.eval.runner import group_by_length, padding_problem, parse_value
+from dllm.numerics import synchronize
 from dllm.samplers import SAMPLERS, typed_options
 
 SHIPPED = Path(dllm.__file__).resolve().parent / "weights"
@@ -426,23 +427,18 @@ def run_pass(run: Prepared, batches: list[Batch], settings: Settings, log: CallL
     seconds, outputs = 0.0, []
     for i, batch in enumerate(batches):
         generator = torch.Generator(device=batch.input_ids.device).manual_seed(settings.seed + i)
-        _synchronize(batch.input_ids.device)
+        synchronize(batch.input_ids.device)
         start = time.perf_counter()
         with torch.inference_mode():
             out = dllm.generate(model, batch.input_ids, sampler=run.config.sampler,
                                 max_new_tokens=settings.max_new_tokens, temperature=run.temperature,
                                 generator=generator, attention_mask=batch.attention_mask, **options)
-        _synchronize(batch.input_ids.device)
+        synchronize(batch.input_ids.device)
         seconds += time.perf_counter() - start
         outputs.append(out)
         if on_batch is not None:
             on_batch()
     return seconds, outputs
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def progress_bar(total: int, desc: str):

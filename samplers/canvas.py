@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from dllm import stops
+from dllm.numerics import positions_from_mask
 from dllm.stats import DecodeStats
 
 CACHE_MODES = ("auto", "none", "block", "prefix", "dual")
@@ -297,7 +298,7 @@ class DualCacheSession(PrefixCacheSession):
         mask = self.caller.attention_mask
         if mask is None:
             return torch.arange(self.canvas.x.shape[1], device=self.canvas.x.device).expand_as(self.canvas.x)
-        return (mask.cumsum(dim=1) - 1).clamp(min=0)
+        return positions_from_mask(mask)
 
 
 SESSIONS = {"none": FullSession, "block": BlockCacheSession, "prefix": PrefixCacheSession, "dual": DualCacheSession}

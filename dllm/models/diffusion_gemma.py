@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
+from dllm.numerics import positions_from_mask
 from dllm.stops import fit_output
 
 from .hf import (
@@ -18,7 +19,6 @@ from .hf import (
     _HFAdapter,
     _padding_mask,
     count_calls,
-    positions_from_mask,
     select_rows,
 )
 
@@ -52,7 +52,7 @@ class DiffusionGemmaCache:
         count = torch.zeros(input_ids.shape[0], dtype=torch.long, device=input_ids.device) \
             if self.count is None else self.count
         key_mask = real if self.key_mask is None else torch.cat((self.key_mask, real), dim=1)
-        positions = count[:, None] + (real.cumsum(dim=1) - 1).clamp(min=0)
+        positions = positions_from_mask(real, count)
         encoder(input_ids=input_ids, attention_mask=key_mask, position_ids=positions, cache=self.kv)
         self.key_mask, self.count = key_mask, count + real.sum(dim=1)
 
@@ -123,7 +123,7 @@ class DiffusionGemmaAdapter(_HFAdapter):
         mask = _padding_mask(attention_mask, input_ids)
         real = torch.ones_like(input_ids) if mask is None else mask
         pads = (real == 0).sum(dim=1)
-        positions = (real.cumsum(dim=1) - 1).clamp(min=0)  # position-id coordinates: real tokens counted
+        positions = positions_from_mask(real)  # position-id coordinates: real tokens counted
         offset = torch.as_tensor(block_offset, device=device).expand(batch)
         # The active block holds the first mask of the answer (masks before it, e.g. the prompt of a
         # classifier-free-guidance call, are noise the encoder reads as filler tokens).

@@ -24,16 +24,12 @@ from torch import Tensor
 from transformers import DynamicCache
 
 from dllm.models.remote import guard
+from dllm.numerics import positions_from_mask
 from dllm.protocols import padding_refusal
 from dllm.stops import fit_output
 
 # Chat templates end an assistant turn with one of these (LLaDA/Llama 3, Qwen/Dream, Gemma).
 END_OF_TURN_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|end_of_turn|>", "<end_of_turn>")
-
-
-def positions_from_mask(attention_mask: Tensor) -> Tensor:
-    """Position ids that count real tokens only, 0 at each row's first one (HF generate's rule).  # [B, L]"""
-    return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
 
 
 def _takes(fn, name: str) -> bool:
