@@ -22,7 +22,7 @@ import torch
 
 from dllm import stops
 from dllm.numerics import positions_from_mask
-from dllm.stats import DecodeStats
+from dllm.stats import DecodeStats, StepEvent
 
 CACHE_MODES = ("auto", "none", "block", "prefix", "dual")
 
@@ -315,7 +315,7 @@ def decode(canvas: Canvas, session, stepper, callback=None) -> torch.Tensor:
             canvas.x[rows, view.offset : view.offset + new_x.shape[1]] = new_x
             canvas.stop_at_eos(rows)
             if callback is not None:
-                callback({**info, "rows": rows, "x": canvas.x[rows], "offset": view.offset})
+                callback(StepEvent(**info, rows=rows, x=canvas.x[rows], offset=view.offset))
     return canvas.x
 
 

@@ -24,3 +24,19 @@ def test_check_int_names_the_parameter(value, error):
     with pytest.raises(error, match="steps"):
         check_int("steps", value, minimum=1)
     check_int("steps", 1, minimum=1)
+
+
+def test_callbacks_receive_a_typed_step_event_that_old_readers_can_index():
+    import dllm
+    from dllm.stats import StepEvent
+
+    oracle = dllm.HMMOracle.random(num_states=3, num_tokens=5, seed=0)
+    seen = []
+    dllm.generate(oracle, torch.tensor([[0, 1]]), sampler="fef", max_new_tokens=4, temperature=0, block_length=4,
+                  callback=seen.append)
+    assert seen and all(isinstance(event, StepEvent) for event in seen)
+    assert seen[0]["x"] is seen[0].x and seen[0].sampler == "fef" and seen[0].window is not None
+    with pytest.raises(KeyError):
+        seen[0]["not_a_field"]
+    kept = seen[0].detached()
+    assert torch.equal(kept.x, seen[0].x) and kept.x is not seen[0].x
