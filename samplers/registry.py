@@ -201,8 +201,8 @@ def _check_drafter(values: dict[str, Any], model) -> None:
 
 def _check_native(values: dict[str, Any], model) -> None:
     """The model must bring its own loop; a drafter (transformers' assisted generation) only for a causal one."""
-    if not callable(getattr(model, "native_generate", None)):
-        raise TypeError(f"sampler='native' runs a checkpoint's own sampler through native_generate(); "
+    if not callable(getattr(model, "native_loop", None)):
+        raise TypeError(f"sampler='native' runs a checkpoint's own sampler through native_loop(); "
                         f"{type(model).__name__} has none (DiffusionGemma, Dream and causal adapters do; Dream's "
                         "diffusion_generate is its hub code: dllm.load(..., trust_remote_code=True))")
     drafter = values.get("drafter")

@@ -11,14 +11,13 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
+from dllm.counting import Counted, NativeLoop
 from dllm.numerics import positions_from_mask
-from dllm.stops import fit_output
 
 from .hf import (
     _first_id,
     _HFAdapter,
     _padding_mask,
-    count_calls,
     select_rows,
 )
 
@@ -168,45 +167,30 @@ class DiffusionGemmaAdapter(_HFAdapter):
             table = self._fills[tokens.device] = self._fill.to(tokens.device)
         return torch.where(tokens == self.mask_token_id, table[positions % table.numel()], tokens)
 
-    def native_generate(self, prompt: Tensor, max_new_tokens: int, *, temperature: float, generator, stats,
-                        attention_mask: Tensor | None = None, eos_token_id=None, **generate_kwargs) -> Tensor:
-        """transformers' own DiffusionGemma sampler (``model.generate``), for ``sampler="native"`` -> [B, P + N].
+    def native_loop(self, prompt: Tensor, max_new_tokens: int, *, temperature: float,
+                    attention_mask: Tensor | None = None, eos_token_id=None, **generate_kwargs) -> NativeLoop:
+        """transformers' own DiffusionGemma sampler (``model.generate``), for ``sampler="native"``.
 
         It samples with its own temperature schedule (generation config ``t_min``/``t_max``, or
-        ``generate_kwargs``), so ``temperature`` must stay at its default 1.0. Its noise comes from torch's
-        global generator, seeded here from ``generator`` inside ``torch.random.fork_rng`` so a seeded call
-        replays. Every encoder and decoder call is counted in ``stats`` (one model call each, tokens = the
-        call's input), the definitions our own samplers use.
+        ``generate_kwargs``), so ``temperature`` must stay at its default 1.0. Every encoder and decoder call
+        is one model call (tokens = the call's input); each decoder call is a denoising step.
         """
         if temperature != 1.0:
             raise ValueError("sampler='native' uses DiffusionGemma's own temperature schedule (t_min, t_max in "
                              f"generate_kwargs); temperature must be 1.0, got {temperature}")
-        if not isinstance(generator, torch.Generator):
-            raise TypeError("sampler='native' draws from torch's global generator: pass one torch.Generator")
-        from dllm.kernels import draw_seed
-
         inner = self.model.model
-        steps = []
-        hooks = [count_calls(inner.encoder, stats), count_calls(inner.decoder, stats, key="decoder_input_ids",
-                                                                calls=steps)]
         device = self.device
         extra = {"attention_mask": attention_mask.to(device)} if attention_mask is not None else {}
         if eos_token_id is not None:
             extra["eos_token_id"] = list(eos_token_id)
-        try:
-            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                torch.manual_seed(draw_seed(generator))
-                out = self.model.generate(input_ids=prompt.to(self.device), max_new_tokens=max_new_tokens,
-                                          **extra, **generate_kwargs)
-        finally:
-            for hook in hooks:
-                hook.remove()
-        sequences = out.sequences if hasattr(out, "sequences") else out
+
+        def run():
+            return self.model.generate(input_ids=prompt.to(device), max_new_tokens=max_new_tokens, **extra,
+                                       **generate_kwargs)
+
         pad = self.pad_token_id if self.pad_token_id is not None else 0
-        sequences, _ = fit_output(sequences.to(prompt.device), prompt.shape[1], max_new_tokens, eos_token_id, pad)
-        stats.new_tokens += prompt.shape[0] * max_new_tokens  # (generate cuts at stop tokens after this)
-        stats.rounds += prompt.shape[0] * len(steps)  # a round: one denoising step of one row
-        return sequences
+        counted = [Counted(inner.encoder), Counted(inner.decoder, key="decoder_input_ids", steps=True)]
+        return NativeLoop(run, counted, "steps", pad, device)
 
     def new_cache(self) -> DiffusionGemmaCache:
         """An empty encoder cache for ``forward_cached``."""
