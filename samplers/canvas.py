@@ -15,8 +15,8 @@ model on tokens shaped like the view (copies included). Three sessions:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -144,12 +144,38 @@ class View:
     offset: int
     prompt_length: int  # prompt positions inside the view (0 when the view starts after the prompt)
     mask_token_id: int
-    call: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (tokens [N, Ls], which [N] in 0..R-1)
-    structured: Callable | None = None  # one-pass window verification, when the model offers it
+    session: Session  # the one call path: every model call of a step goes through it
 
     def candidates(self, tokens: torch.Tensor) -> torch.Tensor:
         """Masked positions of the active block in ``tokens`` [N, Ls] -> bool [N, Ls]."""
         return (tokens == self.mask_token_id) & self.region[None, :]
+
+    def call(self, tokens: torch.Tensor, which: torch.Tensor) -> torch.Tensor:
+        """Logits [N, Ls, V] of ``tokens`` [N, Ls] shaped like the view; ``which`` [N] in 0..R-1 names the
+        view row each input belongs to (copies repeat it)."""
+        return self.session.logits(tokens, self.rows[which])
+
+    def structured(self, tokens: torch.Tensor, *args):
+        """The model's one-pass window verification of every view row (``structured_verify``'s arguments)."""
+        return self.session.structured(tokens, self.rows, *args)
+
+
+class Session(Protocol):
+    """How a step's model calls reach the model: which tokens the model sees, and through which cache.
+
+    ``exact``: the logits equal those of the plain full-sequence call (up to floating point), so every
+    exact sampler stays exact through this session.
+    """
+
+    exact: bool
+
+    def begin_block(self, block: int) -> None: ...
+
+    def view(self, rows: torch.Tensor) -> View: ...
+
+    def logits(self, tokens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Logits [N, Ls, V] of view-shaped ``tokens`` [N, Ls] of canvas rows ``rows`` [N] (repeats allowed)."""
+        ...
 
 
 class FullSession:
@@ -167,15 +193,13 @@ class FullSession:
         start, end = self.canvas.span(self.block)
         length = self.canvas.x.shape[1]
         region = (torch.arange(length, device=rows.device) >= start) & (torch.arange(length, device=rows.device) < end)
+        return View(self.canvas.x[rows], region, rows, 0, self.canvas.prompt_length, self.canvas.mask_token_id, self)
 
-        def call(tokens: torch.Tensor, which: torch.Tensor) -> torch.Tensor:
-            return self.caller(tokens, rows[which], served=int(which.unique().numel()))
+    def logits(self, tokens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return self.caller(tokens, rows, served=_served(rows))
 
-        def structured(tokens, *args):
-            return self.caller.structured(tokens, rows, slice(0, length), *args)
-
-        return View(self.canvas.x[rows], region, rows, 0, self.canvas.prompt_length, self.canvas.mask_token_id, call,
-                    structured)
+    def structured(self, tokens, rows, *args):
+        return self.caller.structured(tokens, rows, slice(0, self.canvas.x.shape[1]), *args)
 
 
 class BlockCacheSession:
@@ -213,27 +237,30 @@ class BlockCacheSession:
             self.caller.cached(chunk, self.cache, rows, served=len(rows), keys=slice(0, start), append=True)
             self.cached_until = start
 
-    def view(self, rows: torch.Tensor) -> View:
+    def _span(self) -> tuple[int, int, int]:
+        """(start, end, stop): the active block [start, end) and the view's end (after any lookahead)."""
         start, end = self.canvas.span(self.block)
-        stop = min(end + self.canvas.block_length, self.canvas.x.shape[1]) if self.lookahead else end
+        return start, end, min(end + self.canvas.block_length, self.canvas.x.shape[1]) if self.lookahead else end
+
+    def view(self, rows: torch.Tensor) -> View:
+        start, end, stop = self._span()
         region = torch.arange(stop - start, device=rows.device) < end - start
+        return View(self.canvas.x[rows, start:stop], region, rows, start, 0, self.canvas.mask_token_id, self)
 
-        def call(tokens: torch.Tensor, which: torch.Tensor) -> torch.Tensor:
-            pending = start - self.cached_until  # a finished block not yet in the cache: commit it now
-            if pending:
-                tokens = torch.cat([self.canvas.x[rows[which], self.cached_until : start], tokens], dim=1)
-            logits = self.caller.cached(tokens, self.cache, rows[which], served=int(which.unique().numel()),
-                                        keys=slice(0, stop), rows=rows[which], append=False,
-                                        **({"commit": pending} if pending else {}))
-            self.cached_until = start
-            return logits[:, pending:]
+    def logits(self, tokens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        start, _, stop = self._span()
+        pending = start - self.cached_until  # a finished block not yet in the cache: commit it now
+        if pending:
+            tokens = torch.cat([self.canvas.x[rows, self.cached_until : start], tokens], dim=1)
+        logits = self.caller.cached(tokens, self.cache, rows, served=_served(rows), keys=slice(0, stop), rows=rows,
+                                    append=False, **({"commit": pending} if pending else {}))
+        self.cached_until = start
+        return logits[:, pending:]
 
-        def structured(tokens, *args):
-            self._fill(start)
-            return self.caller.structured(tokens, rows, slice(0, stop), *args, cache=self.cache, rows=rows)
-
-        return View(self.canvas.x[rows, start:stop], region, rows, start, 0, self.canvas.mask_token_id, call,
-                    structured)
+    def structured(self, tokens, rows, *args):
+        start, _, stop = self._span()
+        self._fill(start)
+        return self.caller.structured(tokens, rows, slice(0, stop), *args, cache=self.cache, rows=rows)
 
 
 class PrefixCacheSession:
@@ -262,12 +289,15 @@ class PrefixCacheSession:
         start, end = self.canvas.span(self.block)
         length = self.canvas.x.shape[1]
         region = torch.arange(length - start, device=rows.device) < end - start
+        return View(self.canvas.x[rows, start:], region, rows, start, 0, self.canvas.mask_token_id, self)
 
-        def call(tokens: torch.Tensor, which: torch.Tensor) -> torch.Tensor:
-            return self.caller.cached(tokens, self.cache, rows[which], served=int(which.unique().numel()),
-                                      keys=slice(0, length), rows=rows[which], append=False)
+    def logits(self, tokens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return self.caller.cached(tokens, self.cache, rows, served=_served(rows), keys=slice(0, self.canvas.x.shape[1]),
+                                  rows=rows, append=False)
 
-        return View(self.canvas.x[rows, start:], region, rows, start, 0, self.canvas.mask_token_id, call)
+    def structured(self, tokens, rows, *args):
+        raise ValueError("the structured verifier needs an exact view: cache='none' or 'block', not an "
+                         "approximate prefix or dual cache")
 
 
 class DualCacheSession(PrefixCacheSession):
@@ -280,17 +310,14 @@ class DualCacheSession(PrefixCacheSession):
 
     def view(self, rows: torch.Tensor) -> View:
         start, end = self.canvas.span(self.block)
-        length = self.canvas.x.shape[1]
         region = torch.ones(end - start, dtype=torch.bool, device=rows.device)
-        positions = self.positions[:, start:end]
+        return View(self.canvas.x[rows, start:end], region, rows, start, 0, self.canvas.mask_token_id, self)
 
-        def call(tokens: torch.Tensor, which: torch.Tensor) -> torch.Tensor:
-            # The new tokens' mask columns are the last ones of keys=[0, L): answer positions, all ones.
-            return self.caller.cached(tokens, self.cache, rows[which], served=int(which.unique().numel()),
-                                      keys=slice(0, length), rows=rows[which], append=False,
-                                      position_ids=positions[rows[which]])
-
-        return View(self.canvas.x[rows, start:end], region, rows, start, 0, self.canvas.mask_token_id, call)
+    def logits(self, tokens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        start, end = self.canvas.span(self.block)
+        # The new tokens' mask columns are the last ones of keys=[0, L): answer positions, all ones.
+        return self.caller.cached(tokens, self.cache, rows, served=_served(rows), keys=slice(0, self.canvas.x.shape[1]),
+                                  rows=rows, append=False, position_ids=self.positions[rows, start:end])
 
     @property
     def positions(self) -> torch.Tensor:
@@ -299,6 +326,11 @@ class DualCacheSession(PrefixCacheSession):
         if mask is None:
             return torch.arange(self.canvas.x.shape[1], device=self.canvas.x.device).expand_as(self.canvas.x)
         return positions_from_mask(mask)
+
+
+def _served(rows: torch.Tensor) -> int:
+    """Sequences a call serves: its distinct canvas rows (verification copies of a row count once)."""
+    return int(rows.unique().numel())
 
 
 SESSIONS = {"none": FullSession, "block": BlockCacheSession, "prefix": PrefixCacheSession, "dual": DualCacheSession}
@@ -326,3 +358,10 @@ def choose_session(cache: str, model, block_length: int) -> str:
     exact_blocks = bool(getattr(model, "cache_exact", False)) and getattr(model, "block_size", None) == block_length
     has_cache = callable(getattr(model, "forward_cached", None)) and callable(getattr(model, "new_cache", None))
     return "block" if exact_blocks and has_cache else "none"
+
+
+def session_exact(model, *, cache: str = "auto", block_length: int | None = None, verifier: str = "copies") -> bool:
+    """Whether the session that these resolved options pick is exact (``Session.exact``): what ``generate``
+    reports as ``exact`` for an exact sampler. The one-pass structured verifier is not exact (its
+    conditionals equal the sequential chain's only for a model trained for it), whatever the session."""
+    return SESSIONS.get(choose_session(cache, model, block_length), FullSession).exact and verifier != "structured"
