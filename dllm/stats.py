@@ -4,8 +4,12 @@ StepEvent, what a ``generate`` callback receives after every step."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from dllm.counting import Call
 
 
 @dataclass
@@ -53,15 +57,15 @@ class DecodeStats:
     accepted_per_position: list[int] = field(default_factory=list)
     wall_time_s: float = 0.0
 
-    def count_call(self, input_ids: torch.Tensor, draft: bool = False, rows: int | None = None) -> None:
-        """Record one model call on ``input_ids`` [N, L] serving ``rows`` sequences (default N)."""
-        tokens = int(input_ids.numel())
-        if draft:
+    def record(self, call: Call) -> None:
+        """Count one model call (``dllm.counting.Call``: every counter's one record of a call)."""
+        tokens = call.rows * call.tokens
+        if call.draft:
             self.nfe_draft += 1
             self.forward_tokens_draft += tokens
         else:
             self.nfe += 1
-            self.row_calls += input_ids.shape[0] if rows is None else rows
+            self.row_calls += call.rows if call.served is None else call.served
             self.forward_tokens += tokens
 
     def count_round(self, emitted: torch.Tensor) -> None:

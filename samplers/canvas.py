@@ -21,6 +21,7 @@ from typing import Protocol
 import torch
 
 from dllm import stops
+from dllm.counting import CountingModel
 from dllm.numerics import positions_from_mask
 from dllm.stats import DecodeStats, StepEvent
 
@@ -97,6 +98,9 @@ class Caller:
     block_offset: torch.Tensor | None = None  # [B] answer start in position-id coordinates
     draft: bool = False
 
+    def __post_init__(self):
+        self.counted = CountingModel(self.model, self.stats.record, self.draft)
+
     def kwargs(self, rows: torch.Tensor, keys: slice) -> dict:
         """Keyword arguments for inputs of ``rows`` [N] covering canvas key positions ``keys``."""
         out = {}
@@ -108,22 +112,18 @@ class Caller:
 
     def __call__(self, input_ids: torch.Tensor, rows: torch.Tensor, served: int, **extra) -> torch.Tensor:
         """Plain call on full-length inputs [N, L] of canvas rows ``rows`` [N], serving ``served`` rows."""
-        self.stats.count_call(input_ids, draft=self.draft, rows=served)
-        logits = self.model(input_ids, **self.kwargs(rows, slice(0, input_ids.shape[1])), **extra)
+        logits = self.counted(input_ids, served=served, **self.kwargs(rows, slice(0, input_ids.shape[1])), **extra)
         return check_logits(logits, input_ids)
 
     def structured(self, input_ids, batch_rows, keys: slice, *args, **extra):
         """The model's ``structured_verify`` on R rows; counted as one call over state + 2W + 1 tokens."""
-        width = args[0].shape[1]
-        self.stats.count_call(input_ids.new_empty((input_ids.shape[0], input_ids.shape[1] + 2 * width + 1)),
-                              rows=input_ids.shape[0])
-        return self.model.structured_verify(input_ids, *args, **self.kwargs(batch_rows, keys), **extra)
+        return self.counted.structured_verify(input_ids, *args, **self.kwargs(batch_rows, keys), **extra)
 
     def cached(self, input_ids, cache, batch_rows, served: int, keys: slice, **extra) -> torch.Tensor:
         """``forward_cached`` on inputs [N, n] of canvas rows ``batch_rows`` [N]; ``keys`` are the canvas
         positions of cached + new keys; ``extra`` goes to forward_cached (rows=, append=)."""
-        self.stats.count_call(input_ids, draft=self.draft, rows=served)
-        logits = self.model.forward_cached(input_ids, cache, **self.kwargs(batch_rows, keys), **extra)
+        logits = self.counted.forward_cached(input_ids, cache, served=served, **self.kwargs(batch_rows, keys),
+                                             **extra)
         return check_logits(logits, input_ids)
 
 
