@@ -31,3 +31,18 @@ def test_every_session_is_a_session():
     for cls in SESSIONS.values():
         assert isinstance(cls.exact, bool) and callable(cls.logits) and callable(cls.view)
     assert set(Session.__dict__) >= {"logits", "view", "begin_block"}
+
+
+def test_counting_model_counts_through_one_record_and_forwards_only_what_the_model_has():
+    from dllm.counting import Call, CountingModel, structured_tokens
+    from dllm.stats import DecodeStats
+
+    model = _model("block_causal")
+    calls, stats = [], DecodeStats()
+    seen = CountingModel(CountingModel(model, calls.append), stats.record)
+    ids = torch.tensor([[1, 3, 4, 5], [1, 3, 4, 6], [1, 3, 4, 6]])
+    assert torch.equal(seen(ids, served=2), model(ids))
+    assert calls == [Call(3, 4)] and (stats.nfe, stats.row_calls, stats.forward_tokens) == (1, 2, 12)
+    assert hasattr(seen, "forward_cached") == hasattr(model, "forward_cached")
+    assert not hasattr(CountingModel(object(), calls.append), "forward_cached")
+    assert structured_tokens(10, 4) == 19  # state, 4 drafts, 4 position queries, the bonus query
