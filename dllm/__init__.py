@@ -9,7 +9,7 @@ from dllm.models.chat import apply_chat_template
 from dllm.models.loading import load
 from dllm.models.oracle import HMMOracle, InconsistentModel
 from dllm.protocols import Capabilities, CausalModel, DiffusionModel, capabilities
-from dllm.stats import DecodeStats
+from dllm.stats import DecodeStats, StepEvent
 
 __version__ = "0.1.0"
 
@@ -21,6 +21,7 @@ __all__ = [
     "GenerateOutput",
     "HMMOracle",
     "InconsistentModel",
+    "StepEvent",
     "apply_chat_template",
     "capabilities",
     "generate",

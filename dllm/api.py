@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from dllm.defaults import TEMPERATURE
-from dllm.numerics import RowGenerators
+from dllm.numerics import RowGenerators, check_int, synchronize
 from dllm.protocols import (
     accepts_attention_mask,
     context_length,
@@ -67,7 +67,7 @@ def generate(
     spec = _check_sampler(sampler)
     _check_model(model, spec)
     _check_input_ids(input_ids, model, spec)
-    _check_int("max_new_tokens", max_new_tokens, minimum=1)
+    check_int("max_new_tokens", max_new_tokens, minimum=1)
     _check_temperature(temperature)
     seed = None
     if generator is None:
@@ -88,12 +88,12 @@ def generate(
     _check_context(model, input_ids, attention_mask, max_new_tokens)
 
     stats = DecodeStats()
-    _synchronize(input_ids.device)
+    synchronize(input_ids.device)
     start = time.perf_counter()
     sequences = spec.run(model, input_ids, max_new_tokens, temperature=temperature, generator=generator,
                          stats=stats, attention_mask=attention_mask, eos_token_id=stop_ids, callback=callback,
                          **config.values())
-    _synchronize(input_ids.device)
+    synchronize(input_ids.device)
     stats.wall_time_s = time.perf_counter() - start
     if stop_ids is not None:
         stats.new_tokens = int(answer_lengths(sequences[:, input_ids.shape[1] :], stop_ids).sum())
@@ -191,15 +191,3 @@ def _check_temperature(temperature) -> None:
         raise TypeError(f"temperature must be a number, got {type(temperature).__name__}")
     if not math.isfinite(temperature) or temperature < 0:
         raise ValueError(f"temperature must be finite and >= 0 (0 means greedy), got {temperature}")
-
-
-def _check_int(name: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

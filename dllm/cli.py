@@ -9,8 +9,12 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dllm.defaults import DTYPE, DTYPES, TEMPERATURE
+
+if TYPE_CHECKING:
+    from dllm.stats import StepEvent
 
 WEIGHTS = Path(__file__).resolve().parent / "weights"  # the shipped default models
 DEFAULTS = {"diffusion": WEIGHTS / "diffusion", "ar": WEIGHTS / "ar", "drafter": WEIGHTS / "drafter"}
@@ -179,7 +183,7 @@ def _generate(args: argparse.Namespace) -> int:
     if not args.json:
         print(f"model {path} ({type(model).__name__}), sampler {args.sampler}, loaded in "
               f"{time.perf_counter() - started:.1f}s", flush=True)
-    events: list[dict] = []
+    events: list[StepEvent] = []
     if args.show_steps or args.trace:
         options["callback"] = _recorder(events, tokenizer, model, args.show_steps and not args.json)
     with torch.inference_mode():
@@ -251,29 +255,28 @@ def _format_prompt(args, tokenizer, default_model: bool) -> str:
     return args.prompt
 
 
-def _recorder(events: list[dict], tokenizer, model, show: bool):
+def _recorder(events: list[StepEvent], tokenizer, model, show: bool):
     """A sampler callback that keeps every step's event and optionally prints the canvas."""
     mask_id = getattr(model, "mask_token_id", None)
     stops = set(getattr(model, "stop_token_ids", None) or [getattr(model, "eos_token_id", None)]) - {None}
 
-    def record(event: dict) -> None:
-        kept = {k: (v.detach().cpu().clone() if hasattr(v, "detach") else v) for k, v in event.items()}
+    def record(event: StepEvent) -> None:
+        kept = event.detached()
         events.append(kept)
         if show:
-            row = kept["x"][0].tolist()
+            row = kept.x[0].tolist()
             print(f"  step {len(events):3d} | " + render_canvas(row, tokenizer, mask_id, _emitted(kept), stops))
 
     return record
 
 
-def _emitted(event: dict) -> set[int]:
+def _emitted(event: StepEvent) -> set[int]:
     """Canvas positions revealed by this step (first row)."""
-    revealed = event.get("revealed")
-    if revealed is None:
+    if event.revealed is None:
         return set()
-    first = revealed[0]
+    first = event.revealed[0]
     if first.dtype == torch_bool():
-        return {int(i) + event.get("offset", 0) for i in first.nonzero().flatten()}
+        return {int(i) + event.offset for i in first.nonzero().flatten()}
     return {int(p) for p in first.tolist() if p >= 0}
 
 
@@ -323,7 +326,7 @@ def _demo(args: argparse.Namespace, options: dict, missing: str | None) -> int:
     model = oracle.as_causal() if _model_kind(args.sampler) == "causal" else oracle
     letters = lambda row: "".join("_" if t == oracle.mask_token_id else DEMO_ALPHABET[t] for t in row)  # noqa: E731
     if args.show_steps and not args.json:
-        options["callback"] = lambda event: print("  step:", letters(event["x"][0].tolist()))
+        options["callback"] = lambda event: print("  step:", letters(event.x[0].tolist()))
     out = dllm.generate(model, ids, sampler=args.sampler, max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, generator=torch.Generator().manual_seed(args.seed), **options)
     text = letters(out.sequences[0].tolist())

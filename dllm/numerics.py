@@ -115,3 +115,38 @@ def forbid_token(logits: torch.Tensor, token_id: int | None) -> torch.Tensor:
     logits = logits.clone()
     logits[..., token_id] = float("-inf")
     return logits
+
+
+# Small shared helpers (one copy each: a second copy is where the next bug lives).
+
+
+def positions_from_mask(attention_mask: torch.Tensor, start: torch.Tensor | int = 0) -> torch.Tensor:
+    """Position ids counting real tokens only, ``start`` at each row's first one (HF generate's rule).
+
+    ``attention_mask`` [B, L] is 1 on real tokens; ``start`` is [B] or a scalar -> [B, L] long. Padding
+    positions get their row's next real position (clamped at ``start``); they are never attended to.
+    """
+    count = (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
+    return count + (start[:, None] if isinstance(start, torch.Tensor) and start.dim() else start)
+
+
+def left_pad(rows: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded input_ids [B, P] and attention_mask [B, P] (0 on padding) of token-id lists."""
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[pad_id] * (width - len(r)) + list(r) for r in rows], dtype=torch.long, device=device)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.long, device=device)
+    return ids, mask
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued work on ``device`` (CUDA launches are asynchronous), so wall times are honest."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def check_int(name: str, value, minimum: int) -> None:
+    """TypeError unless ``value`` is an int (bool is not), ValueError unless >= ``minimum``; both name ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")

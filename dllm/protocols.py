@@ -90,7 +90,8 @@ def is_causal_model(model: object) -> bool:
 # structured_verify: ``model.structured_verify(x, positions, drafts, count, bonus, ...)`` scores a fef
 #   window in one pass (see dllm/models/transformer.py); fef's ``verifier='structured'`` needs it.
 #
-# native_loop: ``model.native_generate(prompt, max_new_tokens, *, temperature, generator, stats, ...)``
+# native_loop: ``model.native_loop(prompt, max_new_tokens, *, temperature, attention_mask, ...)`` returns a
+#   ``dllm.counting.NativeLoop`` (the call to run and the modules to count); samplers/native.py
 #   runs the checkpoint's own sampler (``sampler='native'``).
 #
 # needs_prompt: the model cannot decode after an empty prompt (an encoder that reads the prompt, say);
@@ -115,7 +116,7 @@ class Capabilities:
     cache_drop: bool = False
     commits_prefix: bool = False
     structured_verify: bool = False
-    native_loop: bool = False  # native_generate(): the checkpoint's own loop
+    native_loop: bool = False  # native_loop(): the checkpoint's own loop
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "context_length", _positive_int(self.context_length))
@@ -154,7 +155,7 @@ def capabilities(model: object) -> Capabilities:
         cache_drop=callable(getattr(made, "drop", None)),
         commits_prefix=bool(getattr(model, "commits_prefix", False)),
         structured_verify=callable(getattr(model, "structured_verify", None)),
-        native_loop=callable(getattr(model, "native_generate", None)),
+        native_loop=callable(getattr(model, "native_loop", None)),
     )
 
 

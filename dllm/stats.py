@@ -1,10 +1,15 @@
-"""DecodeStats: the one set of decoding statistics every sampler reports, AR and diffusion alike."""
+"""DecodeStats: the one set of decoding statistics every sampler reports, AR and diffusion alike, and
+StepEvent, what a ``generate`` callback receives after every step."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from dllm.counting import Call
 
 
 @dataclass
@@ -52,15 +57,15 @@ class DecodeStats:
     accepted_per_position: list[int] = field(default_factory=list)
     wall_time_s: float = 0.0
 
-    def count_call(self, input_ids: torch.Tensor, draft: bool = False, rows: int | None = None) -> None:
-        """Record one model call on ``input_ids`` [N, L] serving ``rows`` sequences (default N)."""
-        tokens = int(input_ids.numel())
-        if draft:
+    def record(self, call: Call) -> None:
+        """Count one model call (``dllm.counting.Call``: every counter's one record of a call)."""
+        tokens = call.rows * call.tokens
+        if call.draft:
             self.nfe_draft += 1
             self.forward_tokens_draft += tokens
         else:
             self.nfe += 1
-            self.row_calls += input_ids.shape[0] if rows is None else rows
+            self.row_calls += call.rows if call.served is None else call.served
             self.forward_tokens += tokens
 
     def count_round(self, emitted: torch.Tensor) -> None:
@@ -132,3 +137,34 @@ class DecodeStats:
                      "tokens_per_row_call", "tokens_per_second"):
             out[name] = getattr(self, name)
         return out
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """One step of one sampler, as its ``callback`` sees it: the rows that took part and what they became.
+
+    Tensors are the sampler's own buffers (copy them to keep them: ``detached()``). Positions are canvas
+    positions (prompt included), except a bool ``revealed``, which is a mask over view columns starting at
+    canvas position ``offset``.
+    """
+
+    sampler: str
+    rows: torch.Tensor  # [R] batch rows that took part
+    x: torch.Tensor  # [R, L'] their tokens after the step (the canvas, or ar's sequence so far)
+    offset: int = 0  # canvas position of column 0 of a bool ``revealed``
+    revealed: torch.Tensor | None = None  # [R, Ls] bool over the view, or [R, K] positions (-1: none)
+    window: torch.Tensor | None = None  # [R, W] positions of a speculative round's window (fef)
+    drafts: torch.Tensor | None = None  # [R, W] draft tokens proposed this round (fef, ar_spec)
+    num_drafts: torch.Tensor | None = None  # [R] drafts proposed per row
+    num_accepted: torch.Tensor | None = None  # [R] drafts accepted per row
+
+    def detached(self) -> StepEvent:
+        """A copy on the CPU that later steps cannot overwrite (samplers reuse their buffers)."""
+        return replace(self, **{f.name: getattr(self, f.name).detach().cpu().clone() for f in fields(self)
+                                if torch.is_tensor(getattr(self, f.name))})
+
+    def __getitem__(self, name: str):
+        """``event["x"]``: callbacks written against the earlier dict events keep working."""
+        if name not in self.__dataclass_fields__ or getattr(self, name) is None:
+            raise KeyError(name)
+        return getattr(self, name)

@@ -49,10 +49,12 @@ import torch
 
 import dllm
 from dllm.cli import check_device
+from dllm.counting import Call, CountingModel
 from dllm.defaults import DTYPE, DTYPES, TEMPERATURE, resolve_dtype
 from dllm.eval import cost_model
 from dllm.eval.bench_report import markdown, print_table, write_plots
 from dllm.eval.runner import group_by_length, padding_problem, parse_value
+from dllm.numerics import synchronize
 from dllm.samplers import SAMPLERS, typed_options
 
 SHIPPED = Path(dllm.__file__).resolve().parent / "weights"
@@ -367,49 +369,12 @@ class CallLog:
     def __init__(self):
         self.counts: Counter = Counter()
 
-    def add(self, role: str, rows: int, tokens: int, context: int) -> None:
-        self.counts[(role, rows, tokens, context)] += 1
+    def record(self, call: Call) -> None:
+        self.counts[("draft" if call.draft else "target", call.rows, call.tokens, call.context)] += 1
 
     def to_list(self) -> list[dict]:
         return [{"role": r, "rows": n, "tokens": t, "context": c, "count": k}
                 for (r, n, t, c), k in sorted(self.counts.items())]
-
-
-class Recorded:
-    """A model seen through a CallLog: the same answers, and each call's shape recorded for the cost model.
-
-    Capabilities are forwarded only when the model has them (the samplers discover them by getattr).
-    """
-
-    def __init__(self, model, log: CallLog, role: str):
-        object.__setattr__(self, "_parts", (model, log, role))
-        self.__wrapped__ = model  # messages name the model, not this wrapper (inspect.unwrap)
-
-    def __call__(self, input_ids, *args, **kwargs):
-        model, log, role = self._parts
-        log.add(role, input_ids.shape[0], input_ids.shape[1], 0)
-        return model(input_ids, *args, **kwargs)
-
-    def __getattr__(self, name: str):
-        if name.startswith("__") or name == "_parts":
-            raise AttributeError(name)
-        model, log, role = self._parts
-        attr = getattr(model, name)
-        if name == "forward_cached":
-            return functools.partial(self._cached, attr)
-        if name == "structured_verify":
-            return functools.partial(self._structured, attr)
-        return attr
-
-    def _cached(self, method, input_ids, cache, *args, **kwargs):
-        self._parts[1].add(self._parts[2], input_ids.shape[0], input_ids.shape[1], cache.length)
-        return method(input_ids, cache, *args, **kwargs)
-
-    def _structured(self, method, input_ids, positions, *args, cache=None, **kwargs):
-        # One pass over the state, the drafts, one query per window position and the bonus query.
-        tokens = input_ids.shape[1] + 2 * positions.shape[1] + 1
-        self._parts[1].add(self._parts[2], input_ids.shape[0], tokens, cache.length if cache is not None else 0)
-        return method(input_ids, positions, *args, cache=cache, **kwargs)
 
 
 def run_pass(run: Prepared, batches: list[Batch], settings: Settings, log: CallLog | None = None, on_batch=None):
@@ -420,29 +385,24 @@ def run_pass(run: Prepared, batches: list[Batch], settings: Settings, log: CallL
     """
     model, options = run.model, dict(run.options)
     if log is not None:
-        model = Recorded(model, log, "target")
+        model = CountingModel(model, log.record)
         if "drafter" in options and not isinstance(options["drafter"], str):
-            options["drafter"] = Recorded(options["drafter"], log, "draft")
+            options["drafter"] = CountingModel(options["drafter"], log.record, draft=True)
     seconds, outputs = 0.0, []
     for i, batch in enumerate(batches):
         generator = torch.Generator(device=batch.input_ids.device).manual_seed(settings.seed + i)
-        _synchronize(batch.input_ids.device)
+        synchronize(batch.input_ids.device)
         start = time.perf_counter()
         with torch.inference_mode():
             out = dllm.generate(model, batch.input_ids, sampler=run.config.sampler,
                                 max_new_tokens=settings.max_new_tokens, temperature=run.temperature,
                                 generator=generator, attention_mask=batch.attention_mask, **options)
-        _synchronize(batch.input_ids.device)
+        synchronize(batch.input_ids.device)
         seconds += time.perf_counter() - start
         outputs.append(out)
         if on_batch is not None:
             on_batch()
     return seconds, outputs
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def progress_bar(total: int, desc: str):

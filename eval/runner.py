@@ -64,6 +64,7 @@ from dllm.eval.report import RUN_FILE, SAMPLES_FILE, SUMMARY_FILE, load_samples,
 from dllm.eval.tasks import TASKS, get_task
 from dllm.models.chat import has_chat_template
 from dllm.models.loading import KINDS
+from dllm.numerics import left_pad
 from dllm.protocols import accepts_attention_mask, context_length, is_causal_model, max_prompt_length, padding_refusal
 from dllm.samplers import SAMPLERS, parse_options
 from dllm.stops import answer_lengths, resolve
@@ -651,14 +652,6 @@ def _pad_id(model) -> int:
         if value is not None:
             return int(value)
     return 0  # padded positions are masked out, so any valid id will do
-
-
-def left_pad(rows: Sequence[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded input_ids [B, P] and attention_mask [B, P] (0 on padding)."""
-    width = max(len(r) for r in rows)
-    ids = torch.tensor([[pad_id] * (width - len(r)) + list(r) for r in rows], device=device)
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
-    return ids, mask
 
 
 def model_device(model) -> torch.device:

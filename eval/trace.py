@@ -18,9 +18,10 @@ import html
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
+
+from dllm.stats import StepEvent
 
 KINDS = {  # kind -> (legend label, background colour)
     "accepted": ("accepted draft", "#a8dba0"),
@@ -35,10 +36,10 @@ class TraceRecorder:
     """A ``generate`` callback that keeps a CPU copy of every event (samplers reuse their buffers)."""
 
     def __init__(self):
-        self.events: list[dict[str, Any]] = []
+        self.events: list[StepEvent] = []
 
-    def __call__(self, event: dict[str, Any]) -> None:
-        self.events.append({k: v.detach().cpu().clone() if torch.is_tensor(v) else v for k, v in event.items()})
+    def __call__(self, event: StepEvent) -> None:
+        self.events.append(event.detached())
 
 
 @dataclass
@@ -61,58 +62,58 @@ class Round:
 # --------------------------------------------------------------------------------------------------------
 
 
-def trace_rounds(events: Sequence[dict], *, prompt_length: int | None = None, row: int = 0,
+def trace_rounds(events: Sequence[StepEvent], *, prompt_length: int | None = None, row: int = 0,
                  mask_token_id: int | None = None, eos_token_id: int | Sequence[int] | None = None) -> list[Round]:
     """The rounds of canvas row ``row``: answer positions from ``prompt_length`` on, classified."""
     mine = [(event, _index(event, row)) for event in events]
     mine = [(event, i) for event, i in mine if i is not None]
     if not mine:
         raise ValueError(f"no event mentions row {row}")
-    sampler = mine[0][0]["sampler"]
+    sampler = mine[0][0].sampler
     if sampler == "ar_spec":
         if prompt_length is None:
             raise ValueError("an ar_spec trace needs prompt_length= (its buffer does not show where the prompt ends)")
         return _ar_spec_rounds(mine, prompt_length, eos_token_id)
     if sampler == "ar":
-        start = prompt_length if prompt_length is not None else mine[0][0]["x"].shape[1] - 1
-        return [_ar_round(event["x"][i].tolist(), start) for event, i in mine]
+        start = prompt_length if prompt_length is not None else mine[0][0].x.shape[1] - 1
+        return [_ar_round(event.x[i].tolist(), start) for event, i in mine]
     if mask_token_id is None:
         raise ValueError("a diffusion trace needs the mask token id: pass mask_token_id= or a tokenizer with one")
     start = prompt_length if prompt_length is not None else _answer_start(*mine[0], mask_token_id)
     return [_diffusion_round(event, i, start, mask_token_id) for event, i in mine]
 
 
-def _index(event: dict, row: int) -> int | None:
+def _index(event: StepEvent, row: int) -> int | None:
     """Where canvas row ``row`` sits among the event's active rows (None if it is not active)."""
-    rows = event["rows"].tolist()
+    rows = event.rows.tolist()
     return rows.index(row) if row in rows else None
 
 
-def _answer_start(event: dict, i: int, mask_id: int) -> int:
+def _answer_start(event: StepEvent, i: int, mask_id: int) -> int:
     """After the first round, the answer starts at the first position that is masked or was just revealed."""
-    x = event["x"][i]
+    x = event.x[i]
     candidates = (x == mask_id).nonzero().flatten().tolist() + _revealed(event, i)
     return min(candidates)
 
 
-def _revealed(event: dict, i: int) -> list[int]:
+def _revealed(event: StepEvent, i: int) -> list[int]:
     """Canvas positions revealed this round (fef/sequential give positions, -1 = none; others a view mask)."""
-    revealed = event["revealed"][i]
+    revealed = event.revealed[i]
     if revealed.dtype == torch.bool:
-        return (revealed.nonzero().flatten() + event.get("offset", 0)).tolist()
+        return (revealed.nonzero().flatten() + event.offset).tolist()
     return [p for p in revealed.tolist() if p >= 0]
 
 
-def _diffusion_round(event: dict, i: int, start: int, mask_id: int) -> Round:
-    x = event["x"][i].tolist()
+def _diffusion_round(event: StepEvent, i: int, start: int, mask_id: int) -> Round:
+    x = event.x[i].tolist()
     cells = [Cell(None, "masked") if t == mask_id else Cell(t, "done") for t in x]
     emitted = _revealed(event, i)
-    if "window" not in event:  # a non-speculative step: what it revealed
+    if event.window is None:  # a non-speculative step: what it revealed
         for p in emitted:
             cells[p].kind = "fixed"
         return Round(f"{len(emitted)} revealed", cells[start:])
-    window, drafts = event["window"][i].tolist(), event["drafts"][i].tolist()
-    drafted, accepted = int(event["num_drafts"][i]), int(event["num_accepted"][i])
+    window, drafts = event.window[i].tolist(), event.drafts[i].tolist()
+    drafted, accepted = int(event.num_drafts[i]), int(event.num_accepted[i])
     for k, p in enumerate(emitted):  # emitted in order: the accepted drafts, then the correction/bonus
         cells[p].kind = "accepted" if k < accepted else "fixed"
     for j in range(accepted, drafted):  # the first rejected draft, and those after it (never verified)
@@ -136,8 +137,8 @@ def _ar_spec_rounds(mine, start: int, eos: int | Sequence[int] | None) -> list[R
     stops = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
     rounds, length = [], start
     for event, i in mine:
-        x, drafts = event["x"][i].tolist(), event["drafts"][i].tolist()
-        drafted, accepted = int(event["num_drafts"][i]), int(event["num_accepted"][i])
+        x, drafts = event.x[i].tolist(), event.drafts[i].tolist()
+        drafted, accepted = int(event.num_drafts[i]), int(event.num_accepted[i])
         emitted = min(accepted + 1, len(x) - length)
         new = x[length : length + emitted]
         stop = next((k for k, t in enumerate(new) if t in stops), None)
@@ -183,7 +184,7 @@ def check_trace_path(path: str | Path) -> Path:
     return path
 
 
-def render_trace(events: Sequence[dict], tokenizer, path: str | Path, *, prompt_length: int | None = None,
+def render_trace(events: Sequence[StepEvent], tokenizer, path: str | Path, *, prompt_length: int | None = None,
                  row: int = 0, mask_token_id: int | None = None, title: str | None = None,
                  stop_token_ids: Sequence[int] | None = None) -> Path:
     """Write the trajectory of canvas row ``row`` to ``path``: ``.html`` (a table) or ``.png`` (a text grid).
@@ -212,7 +213,7 @@ def render_trace(events: Sequence[dict], tokenizer, path: str | Path, *, prompt_
 
 def _prompt_text(events, rounds: list[Round], row: int, tokenizer, prompt_length: int | None) -> str:
     event = next(e for e in events if _index(e, row) is not None)
-    x = event["x"][_index(event, row)].tolist()
+    x = event.x[_index(event, row)].tolist()
     length = prompt_length if prompt_length is not None else len(x) - len(rounds[0].cells)
     return "".join(_text(tokenizer, t) for t in x[:length])
 

@@ -32,7 +32,7 @@ import torch
 
 from dllm.numerics import bind_rows, sample_from_logits
 from dllm.protocols import capabilities, has_cache, is_diffusion_model
-from dllm.stats import DecodeStats
+from dllm.stats import DecodeStats, StepEvent
 from dllm.stops import emitted_until_stop, fill_token, is_stop
 
 from .canvas import Caller
@@ -62,7 +62,7 @@ def ar(
         seq[rows, end] = token
         stats.count_round(torch.ones_like(token))
         if callback is not None:
-            callback({"sampler": "ar", "rows": rows, "x": seq[rows, : end + 1]})
+            callback(StepEvent("ar", rows, seq[rows, : end + 1]))
         if eos_token_id is not None and bool(is_stop(token, eos_token_id).any()):
             keep = ~is_stop(token, eos_token_id)
             rows = rows[keep]
@@ -103,8 +103,8 @@ def ar_spec(
         seq[rows[:, None].expand_as(hit)[hit], (length[:, None] + offsets)[hit]] = outcome.tokens[hit]
         lengths[rows] += emitted
         if callback is not None:
-            callback({"sampler": "ar_spec", "rows": rows, "x": seq[rows], "drafts": drafts,
-                      "num_drafts": num_drafts, "num_accepted": outcome.num_accepted})
+            callback(StepEvent("ar_spec", rows, seq[rows], drafts=drafts, num_drafts=num_drafts,
+                               num_accepted=outcome.num_accepted))
         keep = (lengths[rows] < total) & ~stopped
         rows = rows[keep]
         if rows.numel():

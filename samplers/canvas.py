@@ -15,14 +15,16 @@ model on tokens shaped like the view (copies included). Three sessions:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from dllm import stops
+from dllm.counting import CountingModel
+from dllm.numerics import positions_from_mask
 from dllm.protocols import capabilities
-from dllm.stats import DecodeStats
+from dllm.stats import DecodeStats, StepEvent
 
 CACHE_MODES = ("auto", "none", "block", "prefix", "dual")
 
@@ -97,6 +99,9 @@ class Caller:
     block_offset: torch.Tensor | None = None  # [B] answer start in position-id coordinates
     draft: bool = False
 
+    def __post_init__(self):
+        self.counted = CountingModel(self.model, self.stats.record, self.draft)
+
     def kwargs(self, rows: torch.Tensor, keys: slice) -> dict:
         """Keyword arguments for inputs of ``rows`` [N] covering canvas key positions ``keys``."""
         out = {}
@@ -108,22 +113,18 @@ class Caller:
 
     def __call__(self, input_ids: torch.Tensor, rows: torch.Tensor, served: int, **extra) -> torch.Tensor:
         """Plain call on full-length inputs [N, L] of canvas rows ``rows`` [N], serving ``served`` rows."""
-        self.stats.count_call(input_ids, draft=self.draft, rows=served)
-        logits = self.model(input_ids, **self.kwargs(rows, slice(0, input_ids.shape[1])), **extra)
+        logits = self.counted(input_ids, served=served, **self.kwargs(rows, slice(0, input_ids.shape[1])), **extra)
         return check_logits(logits, input_ids)
 
     def structured(self, input_ids, batch_rows, keys: slice, *args, **extra):
         """The model's ``structured_verify`` on R rows; counted as one call over state + 2W + 1 tokens."""
-        width = args[0].shape[1]
-        self.stats.count_call(input_ids.new_empty((input_ids.shape[0], input_ids.shape[1] + 2 * width + 1)),
-                              rows=input_ids.shape[0])
-        return self.model.structured_verify(input_ids, *args, **self.kwargs(batch_rows, keys), **extra)
+        return self.counted.structured_verify(input_ids, *args, **self.kwargs(batch_rows, keys), **extra)
 
     def cached(self, input_ids, cache, batch_rows, served: int, keys: slice, **extra) -> torch.Tensor:
         """``forward_cached`` on inputs [N, n] of canvas rows ``batch_rows`` [N]; ``keys`` are the canvas
         positions of cached + new keys; ``extra`` goes to forward_cached (rows=, append=)."""
-        self.stats.count_call(input_ids, draft=self.draft, rows=served)
-        logits = self.model.forward_cached(input_ids, cache, **self.kwargs(batch_rows, keys), **extra)
+        logits = self.counted.forward_cached(input_ids, cache, served=served, **self.kwargs(batch_rows, keys),
+                                             **extra)
         return check_logits(logits, input_ids)
 
 
@@ -144,12 +145,38 @@ class View:
     offset: int
     prompt_length: int  # prompt positions inside the view (0 when the view starts after the prompt)
     mask_token_id: int
-    call: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (tokens [N, Ls], which [N] in 0..R-1)
-    structured: Callable | None = None  # one-pass window verification, when the model offers it
+    session: Session  # the one call path: every model call of a step goes through it
 
     def candidates(self, tokens: torch.Tensor) -> torch.Tensor:
         """Masked positions of the active block in ``tokens`` [N, Ls] -> bool [N, Ls]."""
         return (tokens == self.mask_token_id) & self.region[None, :]
+
+    def call(self, tokens: torch.Tensor, which: torch.Tensor) -> torch.Tensor:
+        """Logits [N, Ls, V] of ``tokens`` [N, Ls] shaped like the view; ``which`` [N] in 0..R-1 names the
+        view row each input belongs to (copies repeat it)."""
+        return self.session.logits(tokens, self.rows[which])
+
+    def structured(self, tokens: torch.Tensor, *args):
+        """The model's one-pass window verification of every view row (``structured_verify``'s arguments)."""
+        return self.session.structured(tokens, self.rows, *args)
+
+
+class Session(Protocol):
+    """How a step's model calls reach the model: which tokens the model sees, and through which cache.
+
+    ``exact``: the logits equal those of the plain full-sequence call (up to floating point), so every
+    exact sampler stays exact through this session.
+    """
+
+    exact: bool
+
+    def begin_block(self, block: int) -> None: ...
+
+    def view(self, rows: torch.Tensor) -> View: ...
+
+    def logits(self, tokens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Logits [N, Ls, V] of view-shaped ``tokens`` [N, Ls] of canvas rows ``rows`` [N] (repeats allowed)."""
+        ...
 
 
 class FullSession:
@@ -167,15 +194,13 @@ class FullSession:
         start, end = self.canvas.span(self.block)
         length = self.canvas.x.shape[1]
         region = (torch.arange(length, device=rows.device) >= start) & (torch.arange(length, device=rows.device) < end)
+        return View(self.canvas.x[rows], region, rows, 0, self.canvas.prompt_length, self.canvas.mask_token_id, self)
 
-        def call(tokens: torch.Tensor, which: torch.Tensor) -> torch.Tensor:
-            return self.caller(tokens, rows[which], served=int(which.unique().numel()))
+    def logits(self, tokens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return self.caller(tokens, rows, served=_served(rows))
 
-        def structured(tokens, *args):
-            return self.caller.structured(tokens, rows, slice(0, length), *args)
-
-        return View(self.canvas.x[rows], region, rows, 0, self.canvas.prompt_length, self.canvas.mask_token_id, call,
-                    structured)
+    def structured(self, tokens, rows, *args):
+        return self.caller.structured(tokens, rows, slice(0, self.canvas.x.shape[1]), *args)
 
 
 class BlockCacheSession:
@@ -213,27 +238,30 @@ class BlockCacheSession:
             self.caller.cached(chunk, self.cache, rows, served=len(rows), keys=slice(0, start), append=True)
             self.cached_until = start
 
-    def view(self, rows: torch.Tensor) -> View:
+    def _span(self) -> tuple[int, int, int]:
+        """(start, end, stop): the active block [start, end) and the view's end (after any lookahead)."""
         start, end = self.canvas.span(self.block)
-        stop = min(end + self.canvas.block_length, self.canvas.x.shape[1]) if self.lookahead else end
+        return start, end, min(end + self.canvas.block_length, self.canvas.x.shape[1]) if self.lookahead else end
+
+    def view(self, rows: torch.Tensor) -> View:
+        start, end, stop = self._span()
         region = torch.arange(stop - start, device=rows.device) < end - start
+        return View(self.canvas.x[rows, start:stop], region, rows, start, 0, self.canvas.mask_token_id, self)
 
-        def call(tokens: torch.Tensor, which: torch.Tensor) -> torch.Tensor:
-            pending = start - self.cached_until  # a finished block not yet in the cache: commit it now
-            if pending:
-                tokens = torch.cat([self.canvas.x[rows[which], self.cached_until : start], tokens], dim=1)
-            logits = self.caller.cached(tokens, self.cache, rows[which], served=int(which.unique().numel()),
-                                        keys=slice(0, stop), rows=rows[which], append=False,
-                                        **({"commit": pending} if pending else {}))
-            self.cached_until = start
-            return logits[:, pending:]
+    def logits(self, tokens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        start, _, stop = self._span()
+        pending = start - self.cached_until  # a finished block not yet in the cache: commit it now
+        if pending:
+            tokens = torch.cat([self.canvas.x[rows, self.cached_until : start], tokens], dim=1)
+        logits = self.caller.cached(tokens, self.cache, rows, served=_served(rows), keys=slice(0, stop), rows=rows,
+                                    append=False, **({"commit": pending} if pending else {}))
+        self.cached_until = start
+        return logits[:, pending:]
 
-        def structured(tokens, *args):
-            self._fill(start)
-            return self.caller.structured(tokens, rows, slice(0, stop), *args, cache=self.cache, rows=rows)
-
-        return View(self.canvas.x[rows, start:stop], region, rows, start, 0, self.canvas.mask_token_id, call,
-                    structured)
+    def structured(self, tokens, rows, *args):
+        start, _, stop = self._span()
+        self._fill(start)
+        return self.caller.structured(tokens, rows, slice(0, stop), *args, cache=self.cache, rows=rows)
 
 
 class PrefixCacheSession:
@@ -262,12 +290,15 @@ class PrefixCacheSession:
         start, end = self.canvas.span(self.block)
         length = self.canvas.x.shape[1]
         region = torch.arange(length - start, device=rows.device) < end - start
+        return View(self.canvas.x[rows, start:], region, rows, start, 0, self.canvas.mask_token_id, self)
 
-        def call(tokens: torch.Tensor, which: torch.Tensor) -> torch.Tensor:
-            return self.caller.cached(tokens, self.cache, rows[which], served=int(which.unique().numel()),
-                                      keys=slice(0, length), rows=rows[which], append=False)
+    def logits(self, tokens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return self.caller.cached(tokens, self.cache, rows, served=_served(rows), keys=slice(0, self.canvas.x.shape[1]),
+                                  rows=rows, append=False)
 
-        return View(self.canvas.x[rows, start:], region, rows, start, 0, self.canvas.mask_token_id, call)
+    def structured(self, tokens, rows, *args):
+        raise ValueError("the structured verifier needs an exact view: cache='none' or 'block', not an "
+                         "approximate prefix or dual cache")
 
 
 class DualCacheSession(PrefixCacheSession):
@@ -280,17 +311,14 @@ class DualCacheSession(PrefixCacheSession):
 
     def view(self, rows: torch.Tensor) -> View:
         start, end = self.canvas.span(self.block)
-        length = self.canvas.x.shape[1]
         region = torch.ones(end - start, dtype=torch.bool, device=rows.device)
-        positions = self.positions[:, start:end]
+        return View(self.canvas.x[rows, start:end], region, rows, start, 0, self.canvas.mask_token_id, self)
 
-        def call(tokens: torch.Tensor, which: torch.Tensor) -> torch.Tensor:
-            # The new tokens' mask columns are the last ones of keys=[0, L): answer positions, all ones.
-            return self.caller.cached(tokens, self.cache, rows[which], served=int(which.unique().numel()),
-                                      keys=slice(0, length), rows=rows[which], append=False,
-                                      position_ids=positions[rows[which]])
-
-        return View(self.canvas.x[rows, start:end], region, rows, start, 0, self.canvas.mask_token_id, call)
+    def logits(self, tokens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        start, end = self.canvas.span(self.block)
+        # The new tokens' mask columns are the last ones of keys=[0, L): answer positions, all ones.
+        return self.caller.cached(tokens, self.cache, rows, served=_served(rows), keys=slice(0, self.canvas.x.shape[1]),
+                                  rows=rows, append=False, position_ids=self.positions[rows, start:end])
 
     @property
     def positions(self) -> torch.Tensor:
@@ -298,7 +326,12 @@ class DualCacheSession(PrefixCacheSession):
         mask = self.caller.attention_mask
         if mask is None:
             return torch.arange(self.canvas.x.shape[1], device=self.canvas.x.device).expand_as(self.canvas.x)
-        return (mask.cumsum(dim=1) - 1).clamp(min=0)
+        return positions_from_mask(mask)
+
+
+def _served(rows: torch.Tensor) -> int:
+    """Sequences a call serves: its distinct canvas rows (verification copies of a row count once)."""
+    return int(rows.unique().numel())
 
 
 SESSIONS = {"none": FullSession, "block": BlockCacheSession, "prefix": PrefixCacheSession, "dual": DualCacheSession}
@@ -315,7 +348,7 @@ def decode(canvas: Canvas, session, stepper, callback=None) -> torch.Tensor:
             canvas.x[rows, view.offset : view.offset + new_x.shape[1]] = new_x
             canvas.stop_at_eos(rows)
             if callback is not None:
-                callback({**info, "rows": rows, "x": canvas.x[rows], "offset": view.offset})
+                callback(StepEvent(**info, rows=rows, x=canvas.x[rows], offset=view.offset))
     return canvas.x
 
 
@@ -325,3 +358,10 @@ def choose_session(cache: str, model, block_length: int) -> str:
         return cache
     caps = capabilities(model)
     return "block" if caps.cache and caps.cache_exact and caps.block_size == block_length else "none"
+
+
+def session_exact(model, *, cache: str = "auto", block_length: int | None = None, verifier: str = "copies") -> bool:
+    """Whether the session that these resolved options pick is exact (``Session.exact``): what ``generate``
+    reports as ``exact`` for an exact sampler. The one-pass structured verifier is not exact (its
+    conditionals equal the sequential chain's only for a model trained for it), whatever the session."""
+    return SESSIONS.get(choose_session(cache, model, block_length), FullSession).exact and verifier != "structured"

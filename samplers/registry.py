@@ -242,7 +242,7 @@ def _check_drafter(values: dict[str, Any], model) -> None:
 def _check_native(values: dict[str, Any], model) -> None:
     """The model must bring its own loop; a drafter (transformers' assisted generation) only for a causal one."""
     if not capabilities(model).native_loop:
-        raise TypeError(f"sampler='native' runs a checkpoint's own sampler through native_generate(); "
+        raise TypeError(f"sampler='native' runs a checkpoint's own sampler through native_loop(); "
                         f"{type(model).__name__} has none (DiffusionGemma, Dream and causal adapters do; Dream's "
                         "diffusion_generate is its hub code: dllm.load(..., trust_remote_code=True))")
     drafter = values.get("drafter")
@@ -401,7 +401,7 @@ class FefConfig(SequentialConfig):
 
 @dataclass(frozen=True)
 class NativeConfig(SamplerConfig):
-    """``native``: the checkpoint's own loop (``native_generate``)."""
+    """``native``: the checkpoint's own loop (``native_loop``)."""
 
     generate_kwargs: dict | None = option(None, _optional_dict, "dict")
     drafter: Any = option(None, _no_check, "drafter")  # a transformers assistant, checked by _check_native

@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from dllm import load
 from dllm.models.hf import DreamAdapter, LLaDAAdapter
 from dllm.models.remote import RemoteCodeError, check_rotary
+from dllm.samplers.native import native
 from dllm.stats import DecodeStats
 
 IDS = torch.tensor([[2, 20, 21, 299, 299, 1]])
@@ -133,11 +134,11 @@ def test_dream_native_sampler_failures_are_one_clear_message(tmp_path, monkeypat
     run = dict(temperature=0.0, generator=torch.Generator(), stats=DecodeStats())
     with pytest.raises(RemoteCodeError, match=r"sampling from DreamModel with its remote code \(dream\) fails under "
                                               r"transformers .*validate\(\) with transformers 4's signature.*" + FIX):
-        adapter.native_generate(IDS[:, :3], 2, **run)
+        native(adapter, IDS[:, :3], 2, **run)
     generation_config_class = _remote_classes(folder, "dream")[2].DreamGenerationConfig
     monkeypatch.setattr(generation_config_class, "validate", lambda self, *args, **kwargs: None)
     with pytest.raises(RemoteCodeError, match=r"from_model_config compares each field .*no 'eps'.*" + FIX):
-        adapter.native_generate(IDS[:, :3], 2, **run)
+        native(adapter, IDS[:, :3], 2, **run)
 
 
 @TRANSFORMERS_5

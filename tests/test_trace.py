@@ -7,6 +7,7 @@ import torch
 
 import dllm
 from dllm.eval.trace import TraceRecorder, render_trace, trace_rounds
+from dllm.stats import StepEvent
 
 ALPHABET = "abcdefgh"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -34,10 +35,10 @@ def _rows_with_a_rejection(events) -> list[int]:
 
 def test_hand_built_fef_round_is_classified():
     mask = 9
-    event = {"sampler": "fef", "rows": torch.tensor([0]), "offset": 2,
+    event = StepEvent(**{"sampler": "fef", "rows": torch.tensor([0]), "offset": 2,
              "x": torch.tensor([[1, 1, 7, 6, mask, mask]]), "window": torch.tensor([[2, 3, 4, 5]]),
              "drafts": torch.tensor([[7, 8, 3, 4]]), "num_drafts": torch.tensor([4]),
-             "num_accepted": torch.tensor([1]), "revealed": torch.tensor([[2, 3, -1, -1, -1]])}
+             "num_accepted": torch.tensor([1]), "revealed": torch.tensor([[2, 3, -1, -1, -1]])})
     (round_,) = trace_rounds([event], mask_token_id=mask)
     cells = [(c.token, c.kind, c.note) for c in round_.cells]
     assert cells == [(7, "accepted", None), (6, "fixed", 8), (3, "rejected", None), (4, "rejected", None)]

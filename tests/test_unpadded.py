@@ -9,6 +9,7 @@ from fixtures.hf import builders
 from test_bench import model_flags, save_tiny_models
 
 import dllm
+from dllm.counting import CountingModel
 from dllm.eval import bench, runner
 from dllm.models.transformer import TransformerConfig, TransformerLM
 
@@ -36,13 +37,13 @@ RAGGED = torch.tensor([[3, 4, 5], [0, 6, 7]]), torch.tensor([[1, 1, 1], [0, 1, 1
 
 def test_refusal_names_the_real_reason_and_the_model_not_its_wrapper():
     model = _tiny(accepts_attention_mask=False, padding_note="its remote code ignores attention_mask")
-    for seen in (model, bench.Recorded(model, bench.CallLog(), "target")):
+    for seen in (model, CountingModel(model, bench.CallLog().record)):
         with pytest.raises(ValueError) as error:
             dllm.generate(seen, RAGGED[0], sampler="sequential", max_new_tokens=2, attention_mask=RAGGED[1])
         text = str(error.value)
         assert "TransformerLM cannot honour left padding (its accepts_attention_mask is False: its remote code " \
                "ignores attention_mask)" in text, text
-        assert "Recorded" not in text and "no accepts_attention_mask attribute" not in text
+        assert "CountingModel" not in text and "no accepts_attention_mask attribute" not in text
     with pytest.raises(ValueError, match="NoMaskAttribute declares no accepts_attention_mask"):
         dllm.generate(NoMaskAttribute(), RAGGED[0], sampler="sequential", max_new_tokens=2, attention_mask=RAGGED[1])
 

@@ -13,15 +13,14 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
+from dllm.counting import Counted, NativeLoop
+from dllm.numerics import positions_from_mask
 from dllm.protocols import Capabilities
-from dllm.stops import fit_output
 
 from .hf import (
     _first_id,
     _HFAdapter,
     _padding_mask,
-    count_calls,
-    positions_from_mask,
     select_rows,
 )
 
@@ -55,7 +54,7 @@ class DiffusionGemmaCache:
         count = torch.zeros(input_ids.shape[0], dtype=torch.long, device=input_ids.device) \
             if self.count is None else self.count
         key_mask = real if self.key_mask is None else torch.cat((self.key_mask, real), dim=1)
-        positions = count[:, None] + (real.cumsum(dim=1) - 1).clamp(min=0)
+        positions = positions_from_mask(real, count)
         encoder(input_ids=input_ids, attention_mask=key_mask, position_ids=positions, cache=self.kv)
         self.key_mask, self.count = key_mask, count + real.sum(dim=1)
 
@@ -133,7 +132,7 @@ class DiffusionGemmaAdapter(_HFAdapter):
         mask = _padding_mask(attention_mask, input_ids)
         real = torch.ones_like(input_ids) if mask is None else mask
         pads = (real == 0).sum(dim=1)
-        positions = (real.cumsum(dim=1) - 1).clamp(min=0)  # position-id coordinates: real tokens counted
+        positions = positions_from_mask(real)  # position-id coordinates: real tokens counted
         offset = torch.as_tensor(block_offset, device=device).expand(batch)
         # The active block holds the first mask of the answer (masks before it, e.g. the prompt of a
         # classifier-free-guidance call, are noise the encoder reads as filler tokens).
@@ -178,45 +177,30 @@ class DiffusionGemmaAdapter(_HFAdapter):
             table = self._fills[tokens.device] = self._fill.to(tokens.device)
         return torch.where(tokens == self.mask_token_id, table[positions % table.numel()], tokens)
 
-    def native_generate(self, prompt: Tensor, max_new_tokens: int, *, temperature: float, generator, stats,
-                        attention_mask: Tensor | None = None, eos_token_id=None, **generate_kwargs) -> Tensor:
-        """transformers' own DiffusionGemma sampler (``model.generate``), for ``sampler="native"`` -> [B, P + N].
+    def native_loop(self, prompt: Tensor, max_new_tokens: int, *, temperature: float,
+                    attention_mask: Tensor | None = None, eos_token_id=None, **generate_kwargs) -> NativeLoop:
+        """transformers' own DiffusionGemma sampler (``model.generate``), for ``sampler="native"``.
 
         It samples with its own temperature schedule (generation config ``t_min``/``t_max``, or
-        ``generate_kwargs``), so ``temperature`` must stay at its default 1.0. Its noise comes from torch's
-        global generator, seeded here from ``generator`` inside ``torch.random.fork_rng`` so a seeded call
-        replays. Every encoder and decoder call is counted in ``stats`` (one model call each, tokens = the
-        call's input), the definitions our own samplers use.
+        ``generate_kwargs``), so ``temperature`` must stay at its default 1.0. Every encoder and decoder call
+        is one model call (tokens = the call's input); each decoder call is a denoising step.
         """
         if temperature != 1.0:
             raise ValueError("sampler='native' uses DiffusionGemma's own temperature schedule (t_min, t_max in "
                              f"generate_kwargs); temperature must be 1.0, got {temperature}")
-        if not isinstance(generator, torch.Generator):
-            raise TypeError("sampler='native' draws from torch's global generator: pass one torch.Generator")
-        from dllm.kernels import draw_seed
-
         inner = self.model.model
-        steps = []
-        hooks = [count_calls(inner.encoder, stats), count_calls(inner.decoder, stats, key="decoder_input_ids",
-                                                                calls=steps)]
         device = self.device
         extra = {"attention_mask": attention_mask.to(device)} if attention_mask is not None else {}
         if eos_token_id is not None:
             extra["eos_token_id"] = list(eos_token_id)
-        try:
-            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                torch.manual_seed(draw_seed(generator))
-                out = self.model.generate(input_ids=prompt.to(self.device), max_new_tokens=max_new_tokens,
-                                          **extra, **generate_kwargs)
-        finally:
-            for hook in hooks:
-                hook.remove()
-        sequences = out.sequences if hasattr(out, "sequences") else out
+
+        def run():
+            return self.model.generate(input_ids=prompt.to(device), max_new_tokens=max_new_tokens, **extra,
+                                       **generate_kwargs)
+
         pad = self.pad_token_id if self.pad_token_id is not None else 0
-        sequences, _ = fit_output(sequences.to(prompt.device), prompt.shape[1], max_new_tokens, eos_token_id, pad)
-        stats.new_tokens += prompt.shape[0] * max_new_tokens  # (generate cuts at stop tokens after this)
-        stats.rounds += prompt.shape[0] * len(steps)  # a round: one denoising step of one row
-        return sequences
+        counted = [Counted(inner.encoder), Counted(inner.decoder, key="decoder_input_ids", steps=True)]
+        return NativeLoop(run, counted, "steps", pad, device)
 
     def new_cache(self) -> DiffusionGemmaCache:
         """An empty encoder cache for ``forward_cached``."""

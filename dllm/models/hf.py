@@ -24,17 +24,13 @@ from einops import rearrange
 from torch import Tensor
 from transformers import DynamicCache
 
+from dllm.counting import Counted, NativeLoop
 from dllm.models.remote import guard
+from dllm.numerics import positions_from_mask
 from dllm.protocols import Capabilities, padding_refusal
-from dllm.stops import fit_output
 
 # Chat templates end an assistant turn with one of these (LLaDA/Llama 3, Qwen/Dream, Gemma).
 END_OF_TURN_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|end_of_turn|>", "<end_of_turn>")
-
-
-def positions_from_mask(attention_mask: Tensor) -> Tensor:
-    """Position ids that count real tokens only, 0 at each row's first one (HF generate's rule).  # [B, L]"""
-    return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
 
 
 def _takes(fn, name: str) -> bool:
@@ -251,50 +247,27 @@ class DreamAdapter(_DiffusionAdapter):
     def capabilities(self) -> Capabilities:
         return dataclasses.replace(super().capabilities, native_loop=True)
 
-    def native_generate(self, prompt: Tensor, max_new_tokens: int, *, temperature: float, generator, stats,
-                        attention_mask: Tensor | None = None, eos_token_id=None, **generate_kwargs) -> Tensor:
-        """Dream's own ``diffusion_generate`` (its remote code) for ``sampler="native"`` -> [B, P + N].
+    def native_loop(self, prompt: Tensor, max_new_tokens: int, *, temperature: float,
+                    attention_mask: Tensor | None = None, eos_token_id=None, **generate_kwargs) -> NativeLoop:
+        """Dream's own ``diffusion_generate`` (its remote code) for ``sampler="native"``.
 
         ``temperature`` goes to it as is; ``steps``, ``alg``, ``top_p``... through ``generate_kwargs`` (its
-        defaults otherwise). Its noise comes from torch's global generator, seeded from ``generator`` inside
-        ``fork_rng``; every model call is counted in ``stats``; rows follow the stop rule of ``dllm.stops``.
+        defaults otherwise). Every call of the model is one denoising step.
         """
         if not callable(getattr(self.model, "diffusion_generate", None)):
             raise TypeError("sampler='native' needs the checkpoint's diffusion_generate (Dream's remote code); "
                             f"{type(self.model).__name__} has none")
-        if not isinstance(generator, torch.Generator):
-            raise TypeError("sampler='native' draws from torch's global generator: pass one torch.Generator")
-        from dllm.kernels import draw_seed
-
         device = self.device
         mask = torch.ones_like(prompt) if attention_mask is None else attention_mask
-        hook = count_calls(self.model, stats)
-        try:
-            with guard(type(self.model).__name__, "dream", "sampling from"), \
-                    torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                torch.manual_seed(draw_seed(generator))
-                out = self.model.diffusion_generate(prompt.to(device), attention_mask=mask.to(device),
-                                                    max_new_tokens=max_new_tokens, temperature=float(temperature),
-                                                    return_dict_in_generate=True, **generate_kwargs)
-        finally:
-            hook.remove()
-        sequences = out.sequences if hasattr(out, "sequences") else out
+
+        def run():
+            with guard(type(self.model).__name__, "dream", "sampling from"):
+                return self.model.diffusion_generate(prompt.to(device), attention_mask=mask.to(device),
+                                                     max_new_tokens=max_new_tokens, temperature=float(temperature),
+                                                     return_dict_in_generate=True, **generate_kwargs)
+
         pad = self.pad_token_id if self.pad_token_id is not None else 0
-        sequences, _ = fit_output(sequences.to(prompt.device), prompt.shape[1], max_new_tokens, eos_token_id, pad)
-        stats.new_tokens += prompt.shape[0] * max_new_tokens
-        stats.rounds += prompt.shape[0] * stats.nfe  # a round: one denoising step of one row
-        return sequences
-
-
-def count_calls(module, stats, draft: bool = False, key: str = "input_ids", calls: list | None = None):
-    """A forward pre-hook on ``module`` counting each call in ``stats`` (the ids under ``key``, or the first
-    positional argument, as checkpoints' own loops pass them), also appended to ``calls`` -> the handle."""
-    def hook(module, args, kwargs):
-        stats.count_call(kwargs.get(key, args[0] if args else None), draft=draft)
-        if calls is not None:
-            calls.append(1)
-
-    return module.register_forward_pre_hook(hook, with_kwargs=True)
+        return NativeLoop(run, [Counted(self.model, steps=True)], "steps", pad, device)
 
 
 class MaskedLMAdapter(_DiffusionAdapter):
@@ -427,23 +400,18 @@ class CausalLMAdapter(_HFAdapter):
         """An empty cache for ``forward_cached``."""
         return HFCache(self.model.config)
 
-    def native_generate(self, prompt: Tensor, max_new_tokens: int, *, temperature: float, generator, stats,
-                        attention_mask: Tensor | None = None, eos_token_id=None, drafter=None,
-                        **generate_kwargs) -> Tensor:
-        """transformers' ``generate`` for ``sampler="native"`` -> [B, P + N]; with ``drafter`` (a loaded causal
-        checkpoint), its assisted generation, which takes one row at a time.
+    def native_loop(self, prompt: Tensor, max_new_tokens: int, *, temperature: float,
+                    attention_mask: Tensor | None = None, eos_token_id=None, drafter=None,
+                    **generate_kwargs) -> NativeLoop:
+        """transformers' ``generate`` for ``sampler="native"``; with ``drafter`` (a loaded causal checkpoint),
+        its assisted generation, which takes one row at a time.
 
         It samples what ``ar`` samples: the full softmax(logits / T), greedy at T = 0. For the call, the
         checkpoint's ``generation_config`` (and the assistant's) is swapped for a neutral one, because
         transformers fills every unset field from it (a repetition penalty, suppressed tokens, beams...);
-        ``generate_kwargs`` add processors on purpose. Noise comes from torch's global generator, seeded from
-        ``generator`` inside ``fork_rng``. Every target and assistant call is counted in ``stats`` (the
-        assistant's as draft calls). A round is one row's target call while it runs, so
-        mean_acceptance_length reads as tokens per target call. Rows follow the stop rule of ``dllm.stops``,
-        as ``ar``'s do.
+        ``generate_kwargs`` add processors on purpose. The assistant's calls count as draft calls. A round
+        is one row's target call while it runs, so mean_acceptance_length reads as tokens per target call.
         """
-        if not isinstance(generator, torch.Generator):
-            raise TypeError("sampler='native' draws from torch's global generator: pass one torch.Generator")
         if drafter is not None and drafter.model is self.model:
             raise ValueError("sampler='native' with a drafter needs a separate assistant model: the same object "
                              "would count every call twice (load the checkpoint a second time to self-draft)")
@@ -452,11 +420,7 @@ class CausalLMAdapter(_HFAdapter):
                              f"{prompt.shape[0]} rows (ar_spec takes any batch)")
         from transformers import GenerationConfig
 
-        from dllm.kernels import draw_seed
-
-        calls = []
         models = [self.model] + ([drafter.model] if drafter is not None else [])
-        saved = [model.generation_config for model in models]
         pad = self.pad_token_id if self.pad_token_id is not None else 0
         device = self.device
         mask = torch.ones_like(prompt) if attention_mask is None else attention_mask  # never inferred from pad
@@ -465,27 +429,20 @@ class CausalLMAdapter(_HFAdapter):
             options.update(temperature=float(temperature), top_k=0, top_p=1.0)
         if drafter is not None:
             options["assistant_model"] = drafter.model
-        hooks = [count_calls(self.model, stats, calls=calls)]
-        if drafter is not None:
-            hooks.append(count_calls(drafter.model, stats, draft=True))
-        try:
-            for model in models:
-                model.generation_config = GenerationConfig(
-                    pad_token_id=pad, eos_token_id=None if eos_token_id is None else list(eos_token_id))
-            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                torch.manual_seed(draw_seed(generator))
-                out = self.model.generate(input_ids=prompt.to(device), **options, **generate_kwargs)
-        finally:
-            for hook in hooks:
-                hook.remove()
-            for model, config in zip(models, saved, strict=True):
-                model.generation_config = config
-        sequences = out.sequences if hasattr(out, "sequences") else out
-        sequences, lengths = fit_output(sequences.to(prompt.device), prompt.shape[1], max_new_tokens,
-                                        eos_token_id, pad)
-        stats.new_tokens += prompt.shape[0] * max_new_tokens
-        stats.rounds += len(calls) if drafter is not None else int(lengths.sum())
-        return sequences
+
+        def run():
+            saved = [model.generation_config for model in models]
+            try:
+                for model in models:
+                    model.generation_config = GenerationConfig(
+                        pad_token_id=pad, eos_token_id=None if eos_token_id is None else list(eos_token_id))
+                return self.model.generate(input_ids=prompt.to(device), **options, **generate_kwargs)
+            finally:
+                for model, config in zip(models, saved, strict=True):
+                    model.generation_config = config
+
+        counted = [Counted(self.model, steps=True)] + ([Counted(drafter.model, draft=True)] if drafter else [])
+        return NativeLoop(run, counted, "calls" if drafter is not None else "tokens", pad, device)
 
     @torch.inference_mode()
     def forward_cached(

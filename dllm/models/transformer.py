@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from dllm.models.cache import KVCache
+from dllm.numerics import positions_from_mask
 from dllm.protocols import Capabilities
 
 LAYOUTS = ("causal", "bidirectional", "block_causal")
@@ -546,7 +547,7 @@ class TransformerLM(nn.Module):
         query_valid, explicit = _query_mask(attention_mask, input_ids)
         if position_ids is None:
             start = cache.next_position()[:, None] if cache is not None and cache.length else 0
-            position_ids = start + (query_valid.long().cumsum(dim=-1) - 1).clamp(min=0)
+            position_ids = start + positions_from_mask(query_valid)
         h = self._hidden(input_ids, position_ids, query_valid, explicit, cache, use_cache, block_offset)
         if self.config.shift_logits:
             h = _previous_states(h, position_ids, query_valid, cache)
@@ -598,7 +599,7 @@ class TransformerLM(nn.Module):
         if attention_mask is not None:
             valid = attention_mask[:, attention_mask.shape[1] - length:].bool()
         start = cache.next_position()[:, None] if cache is not None and cache.length else 0
-        state_pos = start + (valid.long().cumsum(dim=-1) - 1).clamp(min=0)  # [R, L]
+        state_pos = start + positions_from_mask(valid)  # [R, L]
         window_pos = state_pos.gather(1, positions)
         bonus_pos = state_pos.gather(1, bonus.clamp(min=0)[:, None])
         mask_id = torch.full_like(drafts, self.mask_token_id)
