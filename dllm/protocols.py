@@ -117,6 +117,7 @@ class Capabilities:
     commits_prefix: bool = False
     structured_verify: bool = False
     native_loop: bool = False  # native_loop(): the checkpoint's own loop
+    hidden_states: bool = False  # forward(..., return_hidden=True) -> (logits, features [B, L, D]) (draft heads)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "context_length", _positive_int(self.context_length))

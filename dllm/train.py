@@ -4,6 +4,7 @@
     accelerate launch --multi_gpu --num_processes 2 -m dllm.train --config configs/tiny.toml  # 2 CPU processes
     python -m dllm.train --eval dllm/weights/ar --limit 500              # greedy ar / sequential
     python -m dllm.train --eval dllm/weights/diffusion --sampler fef --option window=4
+    python -m dllm.train --recipe NAME ...                               # another recipe (dllm.training.recipes)
 
 The pieces live in ``dllm.training`` (config, batches, loop, evaluate).
 """
@@ -24,6 +25,15 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": None}
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and (argv[0] == "--recipe" or argv[0].startswith("--recipe=")):
+        from dllm.training.recipes import run_recipe
+
+        if "=" in argv[0]:
+            name, rest = argv[0].partition("=")[2], argv[1:]
+        else:
+            name, rest = (argv[1] if len(argv) > 1 else ""), argv[2:]
+        return run_recipe(name, rest)
     parser = argparse.ArgumentParser(prog="dllm train", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", help="TOML file with [model], [data], [train] tables")
     parser.add_argument("--output", help="run folder (default runs/<config name>)")

@@ -344,3 +344,10 @@ def test_chunked_decoding_equals_one_call_up_to_eos(layout, sampler, options):
         assert ids[:cut] == row[:cut] and (eos in ids or len(ids) == 24)
         stopped += len(ids) < 24
     assert stopped and totals["new_tokens"] < 6 * 24
+
+
+def test_an_unknown_recipe_is_refused_naming_the_parameter(capsys):
+    from dllm.train import main
+
+    assert main(["--recipe", "no-such-recipe"]) == 2
+    assert "--recipe must be one of" in capsys.readouterr().err

@@ -302,3 +302,24 @@ def test_cuda_matches_cpu_with_cache(layout):
     torch.testing.assert_close(full.cpu(), reference, atol=1e-3, rtol=1e-3)
     if layout != "bidirectional":  # a cache is exact only for causal and whole-block prefixes
         torch.testing.assert_close(rest.cpu(), reference[:, 8:], atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("layout", ["causal", "block_causal", "bidirectional"])
+def test_return_hidden_gives_the_features_the_logits_are_projected_from(layout):
+    extra = {"block_size": 4} if layout == "block_causal" else {}
+    if layout != "causal":
+        extra["mask_token_id"] = 2
+    config = TransformerConfig(vocab_size=40, dim=32, n_layers=2, n_heads=2, max_seq_len=32, layout=layout, **extra)
+    model = TransformerLM(config).eval()
+    ids = torch.randint(3, 40, (2, 9), generator=torch.Generator().manual_seed(0))
+    logits, features = model(ids, return_hidden=True)
+    assert features.shape == (2, 9, 32)
+    torch.testing.assert_close(logits, model(ids))
+    torch.testing.assert_close(model._project(features), logits)
+    cache = model.new_cache()
+    model.forward_cached(ids[:, :4], cache)
+    cached_logits, cached_features = model.forward_cached(ids[:, 4:], cache, append=False, return_hidden=True)
+    if layout != "bidirectional":  # the cache is exact there: the same features as the full call
+        torch.testing.assert_close(cached_features, features[:, 4:], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cached_logits, model._project(cached_features))
+    assert model.capabilities.hidden_states

@@ -481,7 +481,8 @@ class TransformerLM(nn.Module):
         return Capabilities(accepts_attention_mask=bool(self.accepts_attention_mask), padding_note=self.padding_note,
                             context_length=self.context_length,
                             block_size=self.config.block_size, cache=True, cache_exact=self.cache_exact,
-                            cache_crop=True, cache_drop=True, commits_prefix=True, structured_verify=True)
+                            cache_crop=True, cache_drop=True, commits_prefix=True, structured_verify=True,
+                            hidden_states=True)
 
     @property
     def cache_exact(self) -> bool:
@@ -503,8 +504,11 @@ class TransformerLM(nn.Module):
         block_offset: int | Tensor = 0,
         position_ids: Tensor | None = None,  # [N, n]; default: continue after the cache
         commit: int = 0,
-    ) -> Tensor:
+        return_hidden: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
         """The protocol's cached call (dllm.protocols): new tokens against the cached prefix.  # [N, n, V]
+
+        ``return_hidden``: also return the features the output projection reads (as ``forward``).
 
         ``commit`` (with ``rows``): the first ``commit`` tokens of every input are the same for all inputs
         of a cache row and never attend to the rest (a finished block before the active one, under
@@ -517,11 +521,11 @@ class TransformerLM(nn.Module):
                 raise ValueError("forward_cached: rows= reads shared cache rows and cannot append")
             cache = cache.select(rows)
         new_mask = None if attention_mask is None else attention_mask[:, attention_mask.shape[1] - input_ids.shape[1]:]
-        logits = self.forward(input_ids, attention_mask=new_mask, position_ids=position_ids, cache=cache,
-                              use_cache=append or commit > 0, block_offset=block_offset)
+        out = self.forward(input_ids, attention_mask=new_mask, position_ids=position_ids, cache=cache,
+                           use_cache=append or commit > 0, block_offset=block_offset, return_hidden=return_hidden)
         if commit and rows is not None:
             _commit_rows(main, cache, rows, commit)
-        return logits
+        return out
 
     def forward(
         self,
@@ -531,7 +535,8 @@ class TransformerLM(nn.Module):
         cache: KVCache | None = None,
         use_cache: bool = False,
         block_offset: int | Tensor = 0,  # int or [B]; block_causal only
-    ) -> Tensor:
+        return_hidden: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
         """Logits at every input position, attending to ``cache`` (if given) then the inputs.  # [B, L, V]
 
         attention_mask: a [B, L] 0/1 key-padding mask of the inputs (Hugging Face style; combined with
@@ -541,6 +546,8 @@ class TransformerLM(nn.Module):
         use_cache: append this call's keys/values to ``cache`` (in place); otherwise the cache is only read.
         With ``shift_logits`` the logits at position p come from the state at p - 1 (cached or new; the
         state itself where p has no predecessor), as Dream's generation code shifts them.
+        return_hidden: return ``(logits, features)``, features [B, L, dim] the final-normed states the output
+        projection reads at each position (after any shift): what draft heads condition on.
         """
         if use_cache and cache is None:
             raise ValueError("use_cache=True needs a cache to append to: pass cache=model.new_cache()")
@@ -551,6 +558,9 @@ class TransformerLM(nn.Module):
         h = self._hidden(input_ids, position_ids, query_valid, explicit, cache, use_cache, block_offset)
         if self.config.shift_logits:
             h = _previous_states(h, position_ids, query_valid, cache)
+        if return_hidden:
+            features = self.norm(h)
+            return self._project(features), features
         return self._logits(h)
 
     def _hidden(self, input_ids, position_ids, query_valid, explicit, cache, use_cache, block_offset) -> Tensor:
@@ -649,7 +659,11 @@ class TransformerLM(nn.Module):
 
     def _logits(self, h: Tensor) -> Tensor:
         """Final norm and output projection, as float32.  # [B, L, dim] -> [B, L, V]"""
-        logits = self.output(self.norm(h)).float()
+        return self._project(self.norm(h))
+
+    def _project(self, features: Tensor) -> Tensor:
+        """Output projection of final-normed features, as float32 (mask token forbidden).  # [B, L, V]"""
+        logits = self.output(features).float()
         if self.layout != "causal":
             logits[..., self.mask_token_id] = float("-inf")
         return logits

@@ -1,0 +1,24 @@
+"""Training recipes beyond the default one: ``python -m dllm.train --recipe NAME [its own arguments]``.
+
+The default recipe (no ``--recipe``) trains a model from a TOML config (``dllm.training.loop``). Every other
+recipe is a module with ``main(argv: list[str]) -> int`` that parses its own arguments; this table names
+them, imported only when chosen so that ``dllm train --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+RECIPES: dict[str, str] = {
+    # name: module with main(argv) -> int
+}
+
+
+def run_recipe(name: str, argv: list[str]) -> int:
+    """Run recipe ``name`` on its own arguments ``argv``."""
+    if name not in RECIPES:
+        known = ", ".join(sorted(RECIPES)) or "none yet"
+        print(f"dllm train: --recipe must be one of: {known}; got {name!r}", file=sys.stderr)
+        return 2
+    return importlib.import_module(RECIPES[name]).main(argv)
