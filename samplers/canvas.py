@@ -112,9 +112,10 @@ class Caller:
         return out
 
     def __call__(self, input_ids: torch.Tensor, rows: torch.Tensor, served: int, **extra) -> torch.Tensor:
-        """Plain call on full-length inputs [N, L] of canvas rows ``rows`` [N], serving ``served`` rows."""
-        logits = self.counted(input_ids, served=served, **self.kwargs(rows, slice(0, input_ids.shape[1])), **extra)
-        return check_logits(logits, input_ids)
+        """Plain call on full-length inputs [N, L] of canvas rows ``rows`` [N], serving ``served`` rows
+        (``return_hidden=True`` in ``extra``: a (logits, features) pair)."""
+        out = self.counted(input_ids, served=served, **self.kwargs(rows, slice(0, input_ids.shape[1])), **extra)
+        return check_logits(out, input_ids)
 
     def structured(self, input_ids, batch_rows, keys: slice, *args, **extra):
         """The model's ``structured_verify`` on R rows; counted as one call over state + 2W + 1 tokens."""
@@ -123,16 +124,17 @@ class Caller:
     def cached(self, input_ids, cache, batch_rows, served: int, keys: slice, **extra) -> torch.Tensor:
         """``forward_cached`` on inputs [N, n] of canvas rows ``batch_rows`` [N]; ``keys`` are the canvas
         positions of cached + new keys; ``extra`` goes to forward_cached (rows=, append=)."""
-        logits = self.counted.forward_cached(input_ids, cache, served=served, **self.kwargs(batch_rows, keys),
-                                             **extra)
-        return check_logits(logits, input_ids)
+        out = self.counted.forward_cached(input_ids, cache, served=served, **self.kwargs(batch_rows, keys), **extra)
+        return check_logits(out, input_ids)
 
 
-def check_logits(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+def check_logits(out, input_ids: torch.Tensor):
+    """The model's answer unchanged, once its logits (the first item of a (logits, features) pair) are [N, n, V]."""
+    logits = out[0] if isinstance(out, tuple) else out
     if logits.dim() != 3 or logits.shape[:2] != input_ids.shape:
         raise ValueError(f"model returned logits of shape {tuple(logits.shape)} for input_ids "
                          f"{tuple(input_ids.shape)}; expected [B, L, V]")
-    return logits
+    return out
 
 
 @dataclass
@@ -151,10 +153,11 @@ class View:
         """Masked positions of the active block in ``tokens`` [N, Ls] -> bool [N, Ls]."""
         return (tokens == self.mask_token_id) & self.region[None, :]
 
-    def call(self, tokens: torch.Tensor, which: torch.Tensor) -> torch.Tensor:
+    def call(self, tokens: torch.Tensor, which: torch.Tensor, hidden: bool = False):
         """Logits [N, Ls, V] of ``tokens`` [N, Ls] shaped like the view; ``which`` [N] in 0..R-1 names the
-        view row each input belongs to (copies repeat it)."""
-        return self.session.logits(tokens, self.rows[which])
+        view row each input belongs to (copies repeat it). ``hidden`` (a model with
+        ``Capabilities.hidden_states``): (logits, features [N, Ls, D])."""
+        return self.session.logits(tokens, self.rows[which], hidden)
 
     def structured(self, tokens: torch.Tensor, *args):
         """The model's one-pass window verification of every view row (``structured_verify``'s arguments)."""
@@ -174,8 +177,9 @@ class Session(Protocol):
 
     def view(self, rows: torch.Tensor) -> View: ...
 
-    def logits(self, tokens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """Logits [N, Ls, V] of view-shaped ``tokens`` [N, Ls] of canvas rows ``rows`` [N] (repeats allowed)."""
+    def logits(self, tokens: torch.Tensor, rows: torch.Tensor, hidden: bool = False) -> torch.Tensor:
+        """Logits [N, Ls, V] of view-shaped ``tokens`` [N, Ls] of canvas rows ``rows`` [N] (repeats allowed);
+        ``hidden``: (logits, features [N, Ls, D])."""
         ...
 
 
@@ -196,8 +200,8 @@ class FullSession:
         region = (torch.arange(length, device=rows.device) >= start) & (torch.arange(length, device=rows.device) < end)
         return View(self.canvas.x[rows], region, rows, 0, self.canvas.prompt_length, self.canvas.mask_token_id, self)
 
-    def logits(self, tokens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        return self.caller(tokens, rows, served=_served(rows))
+    def logits(self, tokens: torch.Tensor, rows: torch.Tensor, hidden: bool = False) -> torch.Tensor:
+        return self.caller(tokens, rows, served=_served(rows), **_hidden(hidden))
 
     def structured(self, tokens, rows, *args):
         return self.caller.structured(tokens, rows, slice(0, self.canvas.x.shape[1]), *args)
@@ -248,15 +252,17 @@ class BlockCacheSession:
         region = torch.arange(stop - start, device=rows.device) < end - start
         return View(self.canvas.x[rows, start:stop], region, rows, start, 0, self.canvas.mask_token_id, self)
 
-    def logits(self, tokens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def logits(self, tokens: torch.Tensor, rows: torch.Tensor, hidden: bool = False) -> torch.Tensor:
         start, _, stop = self._span()
         pending = start - self.cached_until  # a finished block not yet in the cache: commit it now
         if pending:
             tokens = torch.cat([self.canvas.x[rows, self.cached_until : start], tokens], dim=1)
-        logits = self.caller.cached(tokens, self.cache, rows, served=_served(rows), keys=slice(0, stop), rows=rows,
-                                    append=False, **({"commit": pending} if pending else {}))
+        out = self.caller.cached(tokens, self.cache, rows, served=_served(rows), keys=slice(0, stop), rows=rows,
+                                 append=False, **({"commit": pending} if pending else {}), **_hidden(hidden))
         self.cached_until = start
-        return logits[:, pending:]
+        if hidden:
+            return out[0][:, pending:], out[1][:, pending:]
+        return out[:, pending:]
 
     def structured(self, tokens, rows, *args):
         start, _, stop = self._span()
@@ -292,9 +298,9 @@ class PrefixCacheSession:
         region = torch.arange(length - start, device=rows.device) < end - start
         return View(self.canvas.x[rows, start:], region, rows, start, 0, self.canvas.mask_token_id, self)
 
-    def logits(self, tokens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def logits(self, tokens: torch.Tensor, rows: torch.Tensor, hidden: bool = False) -> torch.Tensor:
         return self.caller.cached(tokens, self.cache, rows, served=_served(rows), keys=slice(0, self.canvas.x.shape[1]),
-                                  rows=rows, append=False)
+                                  rows=rows, append=False, **_hidden(hidden))
 
     def structured(self, tokens, rows, *args):
         raise ValueError("the structured verifier needs an exact view: cache='none' or 'block', not an "
@@ -314,11 +320,12 @@ class DualCacheSession(PrefixCacheSession):
         region = torch.ones(end - start, dtype=torch.bool, device=rows.device)
         return View(self.canvas.x[rows, start:end], region, rows, start, 0, self.canvas.mask_token_id, self)
 
-    def logits(self, tokens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def logits(self, tokens: torch.Tensor, rows: torch.Tensor, hidden: bool = False) -> torch.Tensor:
         start, end = self.canvas.span(self.block)
         # The new tokens' mask columns are the last ones of keys=[0, L): answer positions, all ones.
         return self.caller.cached(tokens, self.cache, rows, served=_served(rows), keys=slice(0, self.canvas.x.shape[1]),
-                                  rows=rows, append=False, position_ids=self.positions[rows, start:end])
+                                  rows=rows, append=False, position_ids=self.positions[rows, start:end],
+                                  **_hidden(hidden))
 
     @property
     def positions(self) -> torch.Tensor:
@@ -327,6 +334,11 @@ class DualCacheSession(PrefixCacheSession):
         if mask is None:
             return torch.arange(self.canvas.x.shape[1], device=self.canvas.x.device).expand_as(self.canvas.x)
         return positions_from_mask(mask)
+
+
+def _hidden(hidden: bool) -> dict:
+    """The model keyword asking for features too; absent unless asked, so bare logits functions work."""
+    return {"return_hidden": True} if hidden else {}
 
 
 def _served(rows: torch.Tensor) -> int:

@@ -148,6 +148,15 @@ class MarginalDrafts:
     def observe(self, view, next_logits: torch.Tensor) -> None:
         """After a round: ``next_logits`` [R, Ls, V] are the verified copy matching the new state."""
 
+    def sample(self, view, draft_logits: torch.Tensor, positions: torch.Tensor, temperature: float,
+               generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """Drafts at the window ``positions`` [R, W] -> (tokens [R, W], the logits they were drawn from
+        [R, W, V], mask token forbidden). Here independent draws from ``draft_logits`` [R, Ls, V]; a source
+        that conditions draft j on drafts 0..j-1 (a draft head) overrides this and stays exact as long as
+        it returns the very logits it sampled from."""
+        rows = torch.arange(positions.shape[0], device=positions.device)
+        return independent_drafts(draft_logits[rows[:, None], positions], view.mask_token_id, temperature, generator)
+
 
 class StaleDrafts(MarginalDrafts):
     """fef's ``draft="stale"``: the previous round's verified copy (no draft call); a fresh call when
@@ -183,6 +192,17 @@ class StaleDrafts(MarginalDrafts):
             return source[:, :width]
         pad = source.new_zeros((source.shape[0], width - source.shape[1], source.shape[2]))
         return torch.cat([source, pad], dim=1)  # columns past the active block are never read
+
+
+def independent_drafts(window_logits: torch.Tensor, mask_id: int, temperature: float,
+                       generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Independent drafts from a window's marginals [R, W, V] -> (tokens [R, W], their logits with the
+    mask token forbidden [R, W, V]), one per-row generator stream per row (``bind_rows``)."""
+    logits = forbid_token(window_logits, mask_id)
+    flat = logits.reshape(-1, logits.shape[-1])
+    rows = torch.arange(logits.shape[0], device=logits.device).repeat_interleave(logits.shape[1])
+    tokens = sample_from_logits(flat, temperature, bind_rows(generator, rows)).reshape(logits.shape[:2])
+    return tokens, logits
 
 
 def append_at_lengths(seq: torch.Tensor, length: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dllm.numerics import bind_rows, forbid_token, sample_from_logits
+from dllm.numerics import bind_rows, forbid_token
 from dllm.stats import DecodeStats
 
 from .canvas import View
@@ -85,7 +85,7 @@ class FefStepper:
         one_round = structured_round if self.verifier == "structured" else fef_round
         generator = bind_rows(self.generator, view.rows)  # every draw below is per view row
         result = one_round(view, draft_logits, fresh, self.temperature, generator, self.stats,
-                           order=self.order, window=self.window)
+                           order=self.order, window=self.window, source=self.source)
         self.source.observe(view, result.next_logits)
         revealed = torch.where(result.emitted_positions >= 0, result.emitted_positions + view.offset, -1)
         return result.x, {"sampler": "fef", "window": result.window + view.offset, "drafts": result.drafts,
@@ -103,12 +103,13 @@ def fef_round(
     *,
     order: str,
     window: int,
+    source: MarginalDrafts | None = None,  # samples the drafts at the window (default: independent marginals)
 ) -> RoundResult:
     """One draft-verify-reveal round for the view's R rows; see the module docstring."""
     x, mask_id = view.x, view.mask_token_id
     rows = torch.arange(x.shape[0], device=x.device)
     positions, count = choose_window(order, draft_logits, view.candidates(x), mask_id, window)
-    drafts, window_logits = _draft(draft_logits[rows[:, None], positions], mask_id, temperature, generator)
+    drafts, window_logits = (source or MarginalDrafts()).sample(view, draft_logits, positions, temperature, generator)
 
     copies, copy_index, row_of = _build_copies(x, positions, drafts, count, skip_first=draft_is_state)
     copy_logits = view.call(copies, row_of)
@@ -152,6 +153,7 @@ def structured_round(
     *,
     order: str,
     window: int,
+    source: MarginalDrafts | None = None,
 ) -> RoundResult:
     """A left-to-right round verified by the model's one-pass ``structured_verify`` instead of copies.
 
@@ -166,7 +168,7 @@ def structured_round(
     bonus = torch.full_like(count, -1)
     if ranked.shape[1] > width:  # the next position after the window, where the row has one
         bonus = torch.where(available > width, ranked[:, width], bonus)
-    drafts, window_logits = _draft(draft_logits[rows[:, None], positions], mask_id, temperature, generator)
+    drafts, window_logits = (source or MarginalDrafts()).sample(view, draft_logits, positions, temperature, generator)
     targets, state_logits = view.structured(x, positions, drafts, count, bonus)
     outcome = rejection_sample(drafts, window_logits, forbid_token(targets, mask_id), count,
                                temperature=temperature, has_bonus=bonus >= 0, noise=Noise(generator=generator))
@@ -179,21 +181,6 @@ def structured_round(
     new_x[rows[:, None].expand_as(hit)[hit], emitted_positions[hit]] = outcome.tokens[hit]
     # The state's logits are a valid proposal for the next round (any proposal keeps verification exact).
     return RoundResult(new_x, state_logits, positions, drafts, count, outcome.num_accepted, emitted_positions)
-
-
-def _draft(
-    window_logits: torch.Tensor,  # [R, W, V]
-    mask_id: int,
-    temperature: float,
-    generator: torch.Generator,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Independent drafts from the window's marginals -> tokens [R, W] and the logits they were drawn from
-    (mask token forbidden) [R, W, V], which the verification test must use."""
-    logits = forbid_token(window_logits, mask_id)
-    flat = logits.reshape(-1, logits.shape[-1])
-    rows = torch.arange(logits.shape[0], device=logits.device).repeat_interleave(logits.shape[1])
-    tokens = sample_from_logits(flat, temperature, bind_rows(generator, rows)).reshape(logits.shape[:2])
-    return tokens, logits
 
 
 def _build_copies(

@@ -46,3 +46,24 @@ def test_counting_model_counts_through_one_record_and_forwards_only_what_the_mod
     assert hasattr(seen, "forward_cached") == hasattr(model, "forward_cached")
     assert not hasattr(CountingModel(object(), calls.append), "forward_cached")
     assert structured_tokens(10, 4) == 19  # state, 4 drafts, 4 position queries, the bonus query
+
+
+@pytest.mark.parametrize("cache", ["none", "block"])
+def test_a_session_returns_the_features_of_the_call_it_makes(cache):
+    """Draft heads read features through the session: the exact block cache gives the full call's."""
+    from dllm.samplers.canvas import Caller, Canvas, choose_session
+    from dllm.stats import DecodeStats
+
+    model = _model("block_causal")
+    prompt = torch.tensor([[1, 3, 4, 5], [1, 6, 7, 8]])
+    canvas = Canvas.start(prompt, 8, 4, model.mask_token_id)
+    canvas.x[:, 4:6] = torch.tensor([[5, 6], [7, 8]])  # first block partly revealed
+    mode = choose_session(cache, model, 4)
+    session = SESSIONS[mode](canvas, Caller(model, DecodeStats(), None, torch.tensor([4, 4])))
+    session.begin_block(0)
+    view = session.view(torch.arange(2))
+    logits, features = view.call(view.x, torch.arange(2), hidden=True)
+    full_logits, full_features = model(canvas.x, block_offset=4, return_hidden=True)
+    width = view.x.shape[1]
+    torch.testing.assert_close(features, full_features[:, view.offset : view.offset + width], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits, view.call(view.x, torch.arange(2)))
