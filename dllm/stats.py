@@ -43,6 +43,9 @@ class DecodeStats:
       fraction in which it was accepted. Acceptance stops at the first rejection, so this is the
       probability that drafts 0..j were all accepted, given that j was proposed.
     - ``tokens_per_call``: ``new_tokens / nfe``.
+    - acceptance against entropy (``EntropyAcceptance``, recorded only when passed as the callback): per
+      draft the verification tested (up to and including a row's first rejection), the entropy in nats of
+      the target's temperature-1 distribution at its position, and whether it was accepted.
     - ``wall_time_s``: wall-clock seconds of the whole decoding loop, after device synchronisation.
     """
 

@@ -19,6 +19,9 @@ round-robin over configurations with a rotating start, so drift on a shared mach
 alike. A pass is the sum over batches of wall time around ``generate`` (device synchronised before and
 after on GPUs). Reported: medians and min/max over repeats, and speedups as the median of per-repeat
 ratios to the baseline measured in the same repeat (absolute times drift; ratios measured together hold).
+The recorded pass also keeps, for every draft the verification tested (fef, ar_spec), the target's entropy
+there and whether the draft was accepted (``dllm.stats.EntropyAcceptance``): results.json's
+``acceptance_vs_entropy`` (linear fit, bins), a table in results.md and ``acceptance_entropy.png``.
 Interrupted (Ctrl-C or SIGTERM, e.g. from ``timeout``) after at least one full repeat, the study still
 writes its results from the repeats every configuration completed, marks them ``interrupted`` and exits
 with status 130.
