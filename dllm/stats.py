@@ -166,10 +166,14 @@ class StepEvent:
     # target's own logits, before any temperature (fef, ar_spec)
     target_logits: torch.Tensor | None = None
 
-    def detached(self) -> StepEvent:
-        """A copy on the CPU that later steps cannot overwrite (samplers reuse their buffers)."""
-        return replace(self, **{f.name: getattr(self, f.name).detach().cpu().clone() for f in fields(self)
-                                if torch.is_tensor(getattr(self, f.name))})
+    def detached(self, logits: bool = False) -> StepEvent:
+        """A copy on the CPU that later steps cannot overwrite (samplers reuse their buffers).
+
+        ``target_logits`` ([R, W + 1, V]: megabytes per step at real vocabularies, for callers that keep every
+        event) is dropped unless ``logits``."""
+        kept = {f.name: getattr(self, f.name).detach().cpu().clone() for f in fields(self)
+                if torch.is_tensor(getattr(self, f.name)) and (logits or f.name != "target_logits")}
+        return replace(self, **kept, **({} if logits else {"target_logits": None}))
 
     def draft_outcomes(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every draft verification tested -> (target entropy in nats [N], accepted [N] bool); see
@@ -249,6 +253,8 @@ class EntropyAcceptance:
 
     def fit(self, bin_nats: float = ENTROPY_BIN_NATS) -> dict:
         """The linear fit of acceptance (0/1) on entropy and the acceptance-by-entropy-bin table."""
+        if isinstance(bin_nats, bool) or not isinstance(bin_nats, int | float) or not 0 < bin_nats < math.inf:
+            raise ValueError(f"bin_nats must be a number > 0 (the width of an entropy bin), got {bin_nats!r}")
         entropy, accepted = torch.tensor(self.entropy, dtype=torch.float64), torch.tensor(self.accepted).double()
         slope, intercept = linear_fit(entropy, accepted)
         index = torch.floor(entropy / bin_nats).long()

@@ -30,7 +30,7 @@ class Recorder:
 
     def __call__(self, event):
         self.record(event)
-        self.events.append(event.detached())
+        self.events.append(event.detached(logits=True))
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -204,3 +204,17 @@ def test_bench_writes_the_fit_the_table_and_the_plot(tmp_path):
     assert "| fef w4 T1 | 1 |" in report and "slope" in report and "intercept" in report
     pytest.importorskip("matplotlib")
     assert (out / "acceptance_entropy.png").stat().st_size > 0
+
+
+def test_detached_events_drop_the_target_logits_unless_asked():
+    seen = []
+    dllm.generate(HMMOracle.random(seed=1), torch.tensor([[0, 1]]), sampler="fef", max_new_tokens=4, window=2,
+                  generator=torch.Generator().manual_seed(0), callback=lambda e: seen.append(
+                      (e.detached(), e.detached(logits=True))), eos_token_id=None)
+    assert all(plain.target_logits is None and kept.target_logits is not None for plain, kept in seen)
+    assert all(plain.draft_outcomes()[0].numel() == 0 for plain, _ in seen)
+
+
+def test_bad_bin_width_is_refused_naming_it():
+    with pytest.raises(ValueError, match="bin_nats must be a number > 0"):
+        EntropyAcceptance([0.1], [True]).fit(bin_nats=0)
