@@ -1,8 +1,10 @@
-"""DecodeStats: the one set of decoding statistics every sampler reports, AR and diffusion alike, and
-StepEvent, what a ``generate`` callback receives after every step."""
+"""DecodeStats: the one set of decoding statistics every sampler reports, AR and diffusion alike;
+StepEvent, what a ``generate`` callback receives after every step; and EntropyAcceptance, acceptance of
+each verified draft against the target's entropy there (a callback: computed only when asked)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING
 
@@ -41,6 +43,9 @@ class DecodeStats:
       fraction in which it was accepted. Acceptance stops at the first rejection, so this is the
       probability that drafts 0..j were all accepted, given that j was proposed.
     - ``tokens_per_call``: ``new_tokens / nfe``.
+    - acceptance against entropy (``EntropyAcceptance``, recorded only when passed as the callback): per
+      draft the verification tested (up to and including a row's first rejection), the entropy in nats of
+      the target's temperature-1 distribution at its position, and whether it was accepted.
     - ``wall_time_s``: wall-clock seconds of the whole decoding loop, after device synchronisation.
     """
 
@@ -157,14 +162,105 @@ class StepEvent:
     drafts: torch.Tensor | None = None  # [R, W] draft tokens proposed this round (fef, ar_spec)
     num_drafts: torch.Tensor | None = None  # [R] drafts proposed per row
     num_accepted: torch.Tensor | None = None  # [R] drafts accepted per row
+    # [R, W(+1), V] the logits verification tested draft j against (row j; then the bonus row): the
+    # target's own logits, before any temperature (fef, ar_spec)
+    target_logits: torch.Tensor | None = None
 
-    def detached(self) -> StepEvent:
-        """A copy on the CPU that later steps cannot overwrite (samplers reuse their buffers)."""
-        return replace(self, **{f.name: getattr(self, f.name).detach().cpu().clone() for f in fields(self)
-                                if torch.is_tensor(getattr(self, f.name))})
+    def detached(self, logits: bool = False) -> StepEvent:
+        """A copy on the CPU that later steps cannot overwrite (samplers reuse their buffers).
+
+        ``target_logits`` ([R, W + 1, V]: megabytes per step at real vocabularies, for callers that keep every
+        event) is dropped unless ``logits``."""
+        kept = {f.name: getattr(self, f.name).detach().cpu().clone() for f in fields(self)
+                if torch.is_tensor(getattr(self, f.name)) and (logits or f.name != "target_logits")}
+        return replace(self, **kept, **({} if logits else {"target_logits": None}))
+
+    def draft_outcomes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every draft verification tested -> (target entropy in nats [N], accepted [N] bool); see
+        ``draft_outcomes``. Empty for a step that verified nothing."""
+        if self.target_logits is None or self.num_drafts is None or self.num_accepted is None:
+            return torch.empty(0), torch.empty(0, dtype=torch.bool)
+        return draft_outcomes(self.target_logits, self.num_drafts, self.num_accepted)
 
     def __getitem__(self, name: str):
         """``event["x"]``: callbacks written against the earlier dict events keep working."""
         if name not in self.__dataclass_fields__ or getattr(self, name) is None:
             raise KeyError(name)
         return getattr(self, name)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Acceptance against entropy (Bebop's plot)
+# --------------------------------------------------------------------------------------------------------
+
+
+def target_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy in nats of softmax(logits) at temperature 1, in float32 or wider -> [...] from [..., V].
+
+    Temperature 1 whatever the run's temperature, so greedy and sampled runs are read on the same axis.
+    A -inf logit (a forbidden token) has probability 0 and adds nothing (not 0 * -inf).
+    """
+    scores = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    log_probs = torch.log_softmax(scores, dim=-1)
+    terms = torch.where(log_probs > -math.inf, log_probs.exp() * log_probs, torch.zeros_like(log_probs))
+    return -terms.sum(dim=-1)
+
+
+def draft_outcomes(
+    target_logits: torch.Tensor,  # [R, W(+1), V] row j: what draft j is tested against
+    num_drafts: torch.Tensor,  # [R]
+    num_accepted: torch.Tensor,  # [R]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(entropy [N], accepted [N]) of the drafts verification tested, row by row in window order.
+
+    Draft j of a row is tested when j < num_drafts and drafts 0..j-1 were accepted, i.e. j <= num_accepted:
+    acceptance stops at the first rejection, so later drafts never meet the target. Accepted: j < num_accepted.
+    """
+    width = min(target_logits.shape[1], int(num_drafts.max()) if num_drafts.numel() else 0)
+    j = torch.arange(width, device=target_logits.device)
+    tested = (j[None, :] < num_drafts[:, None]) & (j[None, :] <= num_accepted[:, None])  # [R, W]
+    entropy = target_entropy(target_logits[:, :width][tested])  # only the tested rows' [N, V]
+    return entropy.cpu(), (j[None, :] < num_accepted[:, None])[tested].cpu()
+
+
+def linear_fit(x: torch.Tensor, y: torch.Tensor) -> tuple[float | None, float | None]:
+    """Least-squares line y = slope * x + intercept (float64); slope None when x does not vary."""
+    if not x.numel():
+        return None, None
+    x, y = x.double(), y.double()
+    spread = ((x - x.mean()) ** 2).sum()
+    if float(spread) == 0.0:
+        return None, float(y.mean())
+    slope = ((x - x.mean()) * (y - y.mean())).sum() / spread
+    return float(slope), float(y.mean() - slope * x.mean())
+
+
+ENTROPY_BIN_NATS = 0.5  # bins of the table: fixed edges from 0, so every configuration shares them
+
+
+@dataclass
+class EntropyAcceptance:
+    """Each tested draft's target entropy (nats, temperature 1) and whether it was accepted, over one or
+    more ``generate`` calls; pass it as ``callback=`` (it reads ``StepEvent.draft_outcomes``)."""
+
+    entropy: list[float] = field(default_factory=list)
+    accepted: list[bool] = field(default_factory=list)
+
+    def __call__(self, event: StepEvent) -> None:
+        entropy, accepted = event.draft_outcomes()
+        self.entropy += entropy.tolist()
+        self.accepted += accepted.tolist()
+
+    def fit(self, bin_nats: float = ENTROPY_BIN_NATS) -> dict:
+        """The linear fit of acceptance (0/1) on entropy and the acceptance-by-entropy-bin table."""
+        if isinstance(bin_nats, bool) or not isinstance(bin_nats, int | float) or not 0 < bin_nats < math.inf:
+            raise ValueError(f"bin_nats must be a number > 0 (the width of an entropy bin), got {bin_nats!r}")
+        entropy, accepted = torch.tensor(self.entropy, dtype=torch.float64), torch.tensor(self.accepted).double()
+        slope, intercept = linear_fit(entropy, accepted)
+        index = torch.floor(entropy / bin_nats).long()
+        bins = [{"low": k * bin_nats, "high": (k + 1) * bin_nats, "num_drafts": int((index == k).sum()),
+                 "mean_entropy": float(entropy[index == k].mean()), "acceptance": float(accepted[index == k].mean())}
+                for k in sorted(set(index.tolist()))]
+        return {"entropy": "nats of the target's temperature-1 distribution at the draft's position",
+                "num_drafts": len(self.entropy), "slope": slope, "intercept": intercept,
+                "acceptance": float(accepted.mean()) if self.accepted else None, "bin_nats": bin_nats, "bins": bins}

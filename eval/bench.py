@@ -19,6 +19,9 @@ round-robin over configurations with a rotating start, so drift on a shared mach
 alike. A pass is the sum over batches of wall time around ``generate`` (device synchronised before and
 after on GPUs). Reported: medians and min/max over repeats, and speedups as the median of per-repeat
 ratios to the baseline measured in the same repeat (absolute times drift; ratios measured together hold).
+The recorded pass also keeps, for every draft the verification tested (fef, ar_spec), the target's entropy
+there and whether the draft was accepted (``dllm.stats.EntropyAcceptance``): results.json's
+``acceptance_vs_entropy`` (linear fit, bins), a table in results.md and ``acceptance_entropy.png``.
 Interrupted (Ctrl-C or SIGTERM, e.g. from ``timeout``) after at least one full repeat, the study still
 writes its results from the repeats every configuration completed, marks them ``interrupted`` and exits
 with status 130.
@@ -56,6 +59,7 @@ from dllm.eval.bench_report import markdown, print_table, write_plots
 from dllm.eval.runner import group_by_length, padding_problem, parse_value
 from dllm.numerics import synchronize
 from dllm.samplers import SAMPLERS, typed_options
+from dllm.stats import EntropyAcceptance
 
 SHIPPED = Path(dllm.__file__).resolve().parent / "weights"
 DEFAULT_MODELS = {name: str(SHIPPED / name) for name in ("ar", "diffusion", "drafter")}
@@ -364,10 +368,12 @@ def prepare(config: RunConfig, store: ModelStore, settings: Settings) -> Prepare
 
 
 class CallLog:
-    """Shapes of every model call: (role, rows, new tokens, cached context) -> count."""
+    """What the recording pass records: shapes of every model call ((role, rows, new tokens, cached
+    context) -> count) and each tested draft's acceptance against the target's entropy."""
 
     def __init__(self):
         self.counts: Counter = Counter()
+        self.drafts = EntropyAcceptance()
 
     def record(self, call: Call) -> None:
         self.counts[("draft" if call.draft else "target", call.rows, call.tokens, call.context)] += 1
@@ -386,6 +392,8 @@ def run_pass(run: Prepared, batches: list[Batch], settings: Settings, log: CallL
     model, options = run.model, dict(run.options)
     if log is not None:
         model = CountingModel(model, log.record)
+        if run.config.sampler != "native":  # the checkpoint's own loop takes no callback (and verifies nothing)
+            options["callback"] = log.drafts
         if "drafter" in options and not isinstance(options["drafter"], str):
             options["drafter"] = CountingModel(options["drafter"], log.record, draft=True)
     seconds, outputs = 0.0, []
@@ -530,6 +538,7 @@ def summarize(run: Prepared, outputs, log: CallLog, seconds: list[float], texts,
         "accuracy": None if scores is None else sum(scores) / len(scores),
         "num_scored": 0 if scores is None else len(scores),
         "examples": texts[:2], "call_shapes": log.to_list(), "needs": needs,
+        "acceptance_vs_entropy": log.drafts.fit() if log.drafts.entropy else None,
     }
 
 

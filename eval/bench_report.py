@@ -51,7 +51,35 @@ def markdown(results: dict) -> str:
         for r in speculative:
             cells = [f"{a:.2f}" for a in r["acceptance_per_position"]] + [""] * width
             lines.append(f"| {r['name']} | " + " | ".join(cells[:width]) + " |")
+    lines += entropy_lines(results["runs"])
     return "\n".join(lines) + "\n"
+
+
+def entropy_lines(runs: list[dict]) -> list[str]:
+    """results.md's acceptance-vs-entropy section: the fit per configuration, then acceptance by entropy bin."""
+    fitted = [r for r in runs if r.get("acceptance_vs_entropy")]
+    if not fitted:
+        return []
+    number = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+    lines = ["", "Acceptance against the target's entropy (each draft verification tested; entropy in nats of the "
+             "target's temperature-1 distribution there; least-squares line of acceptance, 0 or 1, on entropy):", "",
+             "| configuration | T | drafts | acceptance | slope | intercept |", "|" + " --- |" * 6]
+    for r in fitted:
+        fit = r["acceptance_vs_entropy"]
+        lines.append(f"| {r['name']} | {r['temperature']:g} | {fit['num_drafts']} | {number(fit['acceptance'])} | "
+                     f"{number(fit['slope'])} | {number(fit['intercept'])} |")
+    width = fitted[0]["acceptance_vs_entropy"]["bin_nats"]
+    top = max(b["low"] for r in fitted for b in r["acceptance_vs_entropy"]["bins"])
+    edges = [k * width for k in range(round(top / width) + 1)]
+    lines += ["", "Acceptance (drafts) by entropy bin, nats:", "",
+              "| configuration | " + " | ".join(f"{e:g}-{e + width:g}" for e in edges) + " |",
+              "|" + " --- |" * (len(edges) + 1)]
+    for r in fitted:
+        bins = {round(b["low"] / width): b for b in r["acceptance_vs_entropy"]["bins"]}
+        cells = [f"{bins[k]['acceptance']:.2f} ({bins[k]['num_drafts']})" if k in bins else ""
+                 for k in range(len(edges))]
+        lines.append(f"| {r['name']} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def print_table(runs: list[dict]) -> None:
@@ -215,11 +243,50 @@ def acceptance_figure(plt, runs: list[dict]):
     return fig
 
 
+def plot_entropy(plt, runs: list[dict], path: Path) -> None:
+    """Acceptance against the target's entropy: binned means and the fitted line, one colour per configuration."""
+    fig = entropy_figure(plt, runs)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def entropy_figure(plt, runs: list[dict]):
+    """Bebop's plot: per configuration, each entropy bin's acceptance at its mean entropy (marker area grows
+    with the bin's drafts) and the least-squares line over the entropies seen, its slope in the legend."""
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    fitted = [r for r in runs if r.get("acceptance_vs_entropy")]
+    most = max((b["num_drafts"] for r in fitted for b in r["acceptance_vs_entropy"]["bins"]), default=1)
+    for k, run in enumerate(fitted):
+        fit, colour = run["acceptance_vs_entropy"], plt.get_cmap("tab10")(k % 10)
+        bins = fit["bins"]
+        ax.scatter([b["mean_entropy"] for b in bins], [b["acceptance"] for b in bins], color=colour,
+                   marker=CURVE_MARKERS[k % len(CURVE_MARKERS)], s=[12 + 60 * b["num_drafts"] / most for b in bins])
+        label = f"{run['name']} (T={run['temperature']:g})"
+        if fit["slope"] is not None:
+            xs = [bins[0]["low"], bins[-1]["high"]]
+            ax.plot(xs, [fit["slope"] * x + fit["intercept"] for x in xs], color=colour,
+                    linestyle=LINE_STYLES[k % len(LINE_STYLES)],
+                    label=f"{label}: {fit['slope']:+.3f} per nat, {fit['intercept']:.3f} at 0")
+        else:
+            ax.scatter([], [], color=colour, label=f"{label}: one entropy only")
+    ax.set_xlabel("target entropy at the draft's position (nats, temperature 1)")
+    ax.set_ylabel("acceptance of the tested draft")
+    ax.set_ylim(-0.05, 1.05)
+    ax.grid(alpha=0.3)
+    if fitted:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
+    else:
+        ax.text(0.5, 0.5, "no speculative configuration", ha="center", transform=ax.transAxes)
+    fig.tight_layout()
+    return fig
+
+
 def write_plots(runs: list[dict], folder: Path) -> list[str]:
     plt = cost_model.pyplot()
     if plt is None:
         return []
-    plots = {"pareto.png": plot_pareto, "tokens_per_call.png": plot_calls, "acceptance.png": plot_acceptance}
+    plots = {"pareto.png": plot_pareto, "tokens_per_call.png": plot_calls, "acceptance.png": plot_acceptance,
+             "acceptance_entropy.png": plot_entropy}
     for name, plot in plots.items():
         plot(plt, runs, folder / name)
     return list(plots)

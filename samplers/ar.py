@@ -104,7 +104,7 @@ def ar_spec(
         lengths[rows] += emitted
         if callback is not None:
             callback(StepEvent("ar_spec", rows, seq[rows], drafts=drafts, num_drafts=num_drafts,
-                               num_accepted=outcome.num_accepted))
+                               num_accepted=outcome.num_accepted, target_logits=target))
         keep = (lengths[rows] < total) & ~stopped
         rows = rows[keep]
         if rows.numel():

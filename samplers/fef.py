@@ -55,6 +55,7 @@ class RoundResult:
     num_drafts: torch.Tensor  # [R] drafts verified (window size, cut at a position disagreement)
     num_accepted: torch.Tensor  # [R]
     emitted_positions: torch.Tensor  # [R, W + 1], -1 where nothing was emitted
+    target_logits: torch.Tensor | None = None  # [R, W + 1, V] what draft j was tested against (row j), then the bonus
 
 
 @dataclass
@@ -90,7 +91,7 @@ class FefStepper:
         revealed = torch.where(result.emitted_positions >= 0, result.emitted_positions + view.offset, -1)
         return result.x, {"sampler": "fef", "window": result.window + view.offset, "drafts": result.drafts,
                           "num_drafts": result.num_drafts, "num_accepted": result.num_accepted,
-                          "revealed": revealed}
+                          "revealed": revealed, "target_logits": result.target_logits}
 
 
 def fef_round(
@@ -140,7 +141,8 @@ def fef_round(
     hit = emitted_positions >= 0
     new_x[rows[:, None].expand_as(hit)[hit], emitted_positions[hit]] = outcome.tokens[hit]
     next_logits = all_logits[copy_index[rows, outcome.num_accepted]]
-    return RoundResult(new_x, next_logits, positions, drafts, num_drafts, outcome.num_accepted, emitted_positions)
+    return RoundResult(new_x, next_logits, positions, drafts, num_drafts, outcome.num_accepted, emitted_positions,
+                       target_logits)
 
 
 def structured_round(
@@ -170,7 +172,8 @@ def structured_round(
         bonus = torch.where(available > width, ranked[:, width], bonus)
     drafts, window_logits = (source or MarginalDrafts()).sample(view, draft_logits, positions, temperature, generator)
     targets, state_logits = view.structured(x, positions, drafts, count, bonus)
-    outcome = rejection_sample(drafts, window_logits, forbid_token(targets, mask_id), count,
+    targets = forbid_token(targets, mask_id)
+    outcome = rejection_sample(drafts, window_logits, targets, count,
                                temperature=temperature, has_bonus=bonus >= 0, noise=Noise(generator=generator))
     stats.count_verification(count, outcome.num_accepted, outcome.num_emitted)
     target_positions = torch.cat([positions, positions[:, :1]], dim=1)
@@ -180,7 +183,7 @@ def structured_round(
     hit = emitted_positions >= 0
     new_x[rows[:, None].expand_as(hit)[hit], emitted_positions[hit]] = outcome.tokens[hit]
     # The state's logits are a valid proposal for the next round (any proposal keeps verification exact).
-    return RoundResult(new_x, state_logits, positions, drafts, count, outcome.num_accepted, emitted_positions)
+    return RoundResult(new_x, state_logits, positions, drafts, count, outcome.num_accepted, emitted_positions, targets)
 
 
 def _build_copies(

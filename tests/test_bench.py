@@ -182,7 +182,7 @@ def test_configurations_see_the_same_prompts(study):
 
 def test_plots_are_written(study):
     out, results = study
-    assert results["plots"] == ["pareto.png", "tokens_per_call.png", "acceptance.png"]
+    assert results["plots"] == ["pareto.png", "tokens_per_call.png", "acceptance.png", "acceptance_entropy.png"]
     for name in results["plots"]:
         data = (out / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
