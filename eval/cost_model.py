@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from dllm.cli import UserError
 from dllm.models.loading import detect_kind
 from dllm.models.native import dream_config, llada_config
 from dllm.models.transformer import TransformerConfig, TransformerLM
@@ -408,7 +409,7 @@ def _role(roles: dict[str, tuple[str, ...]], name: str) -> tuple[str, ...]:
 def parse_roles(items: list[str]) -> dict[str, tuple[str, ...]]:
     """``--role MODEL=ARCH`` items over DEFAULT_ROLES; a model named more than once gets each arch, in order."""
     if any("=" not in item for item in items):
-        raise SystemExit(f"--role expects MODEL=ARCH, got {items}")
+        raise UserError(f"--role expects MODEL=ARCH, got {items}")
     given: dict[str, tuple[str, ...]] = {}
     for model, arch in (item.split("=", 1) for item in items):
         given[model] = given.get(model, ()) + ((arch,) if arch not in given.get(model, ()) else ())
@@ -443,7 +444,7 @@ def pyplot():
     try:
         import matplotlib
     except ImportError:
-        print("matplotlib is not installed: no plots (pip install matplotlib)", file=sys.stderr)
+        print("dllm bench: matplotlib is not installed, so no plots (pip install matplotlib)", file=sys.stderr)
         return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

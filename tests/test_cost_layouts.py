@@ -116,3 +116,11 @@ def test_a_hub_folder_gets_the_shape_and_layout_dllm_load_gives_it(tmp_path, fam
     native = (llada_config if family == "llada" else dream_config)(config, 5, 1, 1)
     got = cost_model.arch_config(str(tmp_path))
     assert got["mlp_hidden"] == native.mlp_hidden and got["layout"] == native.layout
+
+
+def test_bench_without_matplotlib_says_so_in_one_line(tmp_path, monkeypatch, capsys):
+    from dllm.eval.bench_report import write_plots
+
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # import matplotlib now raises
+    assert write_plots([], tmp_path) == []
+    assert capsys.readouterr().err == "dllm bench: matplotlib is not installed, so no plots (pip install matplotlib)\n"
