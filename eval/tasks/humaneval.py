@@ -44,9 +44,12 @@ class HumanEval(CodeTask):
         return block if block is not None else truncate_at_stop(completion, STOP)
 
     def program(self, problem: dict, solution: str) -> str:
-        """Prompt + solution + tests; a solution that redefines the function simply follows the stub."""
+        """Prompt + solution; a solution that redefines the function simply follows the stub."""
         defines_entry = f"def {problem['entry_point']}(" in solution
         # The prompt ends in a docstring-only function, valid on its own, so a full redefinition may
         # follow it; keeping the prompt keeps its imports and helper functions.
-        code = f"{problem['prompt']}\n{solution}" if defines_entry else problem["prompt"] + solution
-        return f"{code}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
+        return f"{problem['prompt']}\n{solution}\n" if defines_entry else f"{problem['prompt']}{solution}\n"
+
+    def tests(self, problem: dict) -> str:
+        """The problem's `check` and its call on the entry point."""
+        return f"{problem['test']}\n\ncheck({problem['entry_point']})\n"

@@ -110,6 +110,10 @@ class MBPP(CodeTask):
         return code.removeprefix("[BEGIN]").strip("\n")
 
     def program(self, problem: dict, solution: str) -> str:
-        """Test imports, solution, setup code (it may use the solution's classes), then the asserts."""
-        parts = [*problem["test_imports"], solution, problem["test_setup_code"], *problem["test_list"]]
+        """Test imports, solution, then the setup code (it may use the solution's classes)."""
+        parts = [*problem["test_imports"], solution, problem["test_setup_code"]]
         return "\n".join(part for part in parts if part) + "\n"
+
+    def tests(self, problem: dict) -> str:
+        """Test imports, then the asserts (the setup code's objects are the program's, passed by name)."""
+        return "\n".join(part for part in [*problem["test_imports"], *problem["test_list"]] if part) + "\n"
