@@ -88,15 +88,21 @@ TAG = "\x00dllm-wire"
 def wire(value, ref=None):
     if value is None or type(value) in (bool, int, str, bytes, complex):
         return value
-    if type(value) is float:
+    # Subclasses cross as their base (Counter as dict, a namedtuple as tuple, numpy's float64 as float):
+    # equal to what the tests compare them with, which is all an assert reads.
+    if isinstance(value, float):
+        value = float(value)
         return value if math.isfinite(value) else (TAG, "float", repr(value))
-    if type(value) in (list, tuple):
+    for base in (int, str, bytes, complex):
+        if isinstance(value, base):
+            return base(value)
+    if isinstance(value, (list, tuple)):
         items = [wire(v, ref) for v in value]
-        return items if type(value) is list else tuple(items)
-    if type(value) is dict:
+        return items if isinstance(value, list) else tuple(items)
+    if isinstance(value, dict):
         return {wire(k, ref): wire(v, ref) for k, v in value.items()}
-    if type(value) in (set, frozenset):
-        return (TAG, type(value).__name__, [wire(v, ref) for v in value])
+    if isinstance(value, (set, frozenset)):
+        return (TAG, "frozenset" if isinstance(value, frozenset) else "set", [wire(v, ref) for v in value])
     name = ref(value) if ref is not None else None
     if name is None:
         raise TypeError(f"a {type(value).__name__} cannot cross between the program and its tests")

@@ -375,8 +375,8 @@ def test_a_program_that_reads_the_bootstrap_frame_cannot_forge_a_pass():
 
 
 def test_separate_tests_call_into_the_program_and_see_its_values():
-    """Plain data crosses both ways (non-finite floats, sets, bytes, complex); other objects by name;
-    the program's exceptions arrive as the built-in class; state persists between calls."""
+    """Plain data crosses both ways (non-finite floats, sets, bytes, complex, subclasses as their base),
+    other objects by name; the program's exceptions arrive as the built-in class; state persists."""
     solution = program(
         """
         import math
@@ -396,6 +396,9 @@ def test_separate_tests_call_into_the_program_and_see_its_values():
             raise {"value": ValueError, "key": KeyError}[kind]("no")
         def opaque():
             return Node(1)
+        def counted():  # a dict subclass crosses as a dict (MBPP 40 and 88 return Counters)
+            import collections
+            return collections.Counter("aab")
         """
     )
     tests = program(
@@ -404,6 +407,7 @@ def test_separate_tests_call_into_the_program_and_see_its_values():
         out = f(3, scale=2)
         assert out == {"x": 6, "s": {1, 2}, "e": frozenset(), "inf": math.inf, "b": b"\\x00", "c": 1j}
         assert f((1, [2.5])) ["x"] == (1, [2.5]) and count() == 2 and value_of(root) == 7
+        assert counted() == {"a": 2, "b": 1}
         for kind, cls in (("value", ValueError), ("key", KeyError)):
             try:
                 fail(kind)

@@ -2,9 +2,9 @@
 
 Plain prompts are the problem's prompt; the completion is cut at the Codex paper's stop sequences
 (a new top-level def/class/if-main/print/comment). Chat prompts ask for the whole function in a fenced
-block; when a completion holds a fenced block, that block is the solution. The test program is the
-prompt (keeping its imports and helper functions), the solution, the problem's `test` and
-`check(entry_point)`, run in the sandbox.
+block; when a completion holds a fenced block, that block is the solution. The program is the
+prompt (keeping its imports and helper functions) and the solution; the problem's `test` and
+`check(entry_point)` run apart in the sandbox's launcher, calling into it (`dllm.eval.sandbox`).
 """
 
 from __future__ import annotations
