@@ -423,6 +423,8 @@ def test_separate_tests_call_into_the_program_and_see_its_values():
     assert result.stdout == "tests ran to the end\n"
     unsendable = run_program(solution, tests="opaque()\n", timeout=10)
     assert not unsendable.passed and "a Node cannot cross between the program and its tests" in unsendable.stderr
+    with pytest.raises(ValueError, match="tests must give one entry per source: 1 for 2 sources"):
+        run_many([solution, solution], tests=["pass\n"])
 
 
 def test_separate_tests_stay_out_of_the_programs_reach():
