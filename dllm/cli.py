@@ -22,28 +22,38 @@ DEMO_ALPHABET = "abcdefgh"
 _DEFAULT_PROMPT = "Tom has 3 bags with 4 apples each. How many apples does Tom have?"
 
 
+USAGE = 2  # bad input (a flag's value, a missing folder), as argparse and `dllm eval` exit
+INTERRUPTED = 130  # Ctrl-C, as a shell reports SIGINT
+_COMMANDS = {"eval": "dllm.eval.runner", "bench": "dllm.eval.bench", "train": "dllm.train"}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"eval": "dllm.eval.runner", "bench": "dllm.eval.bench", "train": "dllm.train"}
-    if argv and argv[0] in commands:  # these own their argument parsing
+    command = argv[0] if argv and argv[0] in _COMMANDS else "generate"
+    return run_guarded(command, lambda: _dispatch(argv))  # imports included: Ctrl-C there is one line too
+
+
+def _dispatch(argv: list[str]) -> int:
+    if argv and argv[0] in _COMMANDS:  # these own their argument parsing
         import importlib
 
-        return run_guarded(argv[0], lambda: importlib.import_module(commands[argv[0]]).main(argv[1:]))
+        return importlib.import_module(_COMMANDS[argv[0]]).main(argv[1:])
     parser = argparse.ArgumentParser(prog="dllm", description="Exact speculative decoding for diffusion LMs.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub.add_parser("generate", help="generate text (default: the shipped diffusion model with fef)"))
     for name, text in [("eval", "evaluate on GSM8K, MATH, HumanEval, MBPP, synthetic"),
                        ("bench", "AR vs diffusion speed study"), ("train", "train the small default models")]:
         sub.add_parser(name, help=text)
-    args = parser.parse_args(argv)
-    return run_guarded("generate", lambda: _generate(args))
+    return _generate(parser.parse_args(argv))
 
 
 def run_guarded(command: str, run: Callable[[], int]) -> int:
-    """Run a command; any error ends it with one line ``dllm COMMAND: message`` (DLLM_DEBUG=1: the traceback).
+    """Run a command; any error ends it with one line ``dllm COMMAND: message`` on stderr and an exit status:
+    2 for bad input (UserError and the library's ValueError/TypeError/FileNotFoundError, which name the
+    parameter), 1 for anything else, 130 for Ctrl-C (DLLM_DEBUG=1: the traceback instead).
 
-    The library's errors name the parameter already; errors from below (torch, transformers, the hub) are
-    kept to their message on one line, prefixed by their type when that is not a plain bad-input error.
+    Errors from below (torch, transformers, the hub) are kept to their message on one line, prefixed by
+    their type when that is not a plain bad-input error.
     """
     try:
         return run()
@@ -53,11 +63,12 @@ def run_guarded(command: str, run: Callable[[], int]) -> int:
         if os.environ.get("DLLM_DEBUG"):
             raise
         print(f"dllm {command}: interrupted", file=sys.stderr)
-        return 130
+        return INTERRUPTED
     except Exception as error:
         if os.environ.get("DLLM_DEBUG"):
             raise
-        raise SystemExit(f"dllm {command}: {_one_line(error)}") from None
+        print(f"dllm {command}: {_one_line(error)}", file=sys.stderr)
+        return USAGE if isinstance(error, _USAGE_ERRORS) else 1
 
 
 def _one_line(error: BaseException) -> str:
@@ -68,6 +79,9 @@ def _one_line(error: BaseException) -> str:
 
 class UserError(Exception):
     """Bad input found by the command line itself (a flag's value); the message names the flag."""
+
+
+_USAGE_ERRORS = (UserError, ValueError, TypeError, FileNotFoundError)
 
 
 def check_device(device: str | None, flag: str = "--device") -> None:
@@ -347,5 +361,7 @@ def _model_kind(sampler: str) -> str:
     return SAMPLERS[sampler].model_kind
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # `python -m dllm.cli`: run the imported module's main, so that its UserError is
+    from dllm.cli import main as _main  # the class the commands raise (this __main__ copy has its own)
+
+    sys.exit(_main())

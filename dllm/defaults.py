@@ -5,7 +5,10 @@ The README's "Defaults" section explains each choice; change a value here and ev
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported where used, so `import dllm.cli` stays cheap (Ctrl-C at start-up)
+    import torch
 
 # Greedy, as LLaDA's and Dream's own generate and every evaluation harness default to; exact samplers
 # reproduce the model's law at any temperature, so T > 0 is one flag away.
@@ -23,6 +26,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU multiplies bf16 natively (AMX tiles or AVX512-BF16)."""
+    import torch
+
     cpu = getattr(torch, "cpu", None)
     probes = [getattr(cpu, name, None) for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")]
     if any(callable(probe) for probe in probes):
@@ -38,6 +43,8 @@ def auto_dtype(device: str | torch.device | None = None) -> torch.dtype:
     Without native bf16 a CPU emulates it: the diffusion samplers then run 2-2.5x slower than in float32
     (measured on an AVX2 EPYC), which would skew any speed comparison.
     """
+    import torch
+
     device = torch.device(device if device is not None else "cpu")
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else torch.float32
@@ -49,6 +56,8 @@ def auto_dtype(device: str | torch.device | None = None) -> torch.dtype:
 def resolve_dtype(name: str | torch.dtype | None, device: str | torch.device | None = None,
                   flag: str = "dtype") -> torch.dtype | None:
     """``"auto"`` -> auto_dtype(device); a dtype name -> the torch dtype; None stays None (checkpoint's)."""
+    import torch
+
     if name is None or isinstance(name, torch.dtype):
         return name
     if name == "auto":

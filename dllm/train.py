@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from dllm.cli import UserError
 from dllm.training import load_config, train
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": None}
@@ -73,7 +74,7 @@ def _overrides(items: list[str]) -> dict[str, dict]:
         name, sep, value = item.partition("=")
         table, dot, key = name.partition(".")
         if not sep or not dot:
-            raise SystemExit(f"--set expects TABLE.KEY=VALUE, got {item!r}")
+            raise UserError(f"--set expects TABLE.KEY=VALUE, got {item!r}")
         try:
             parsed = tomllib.loads(f"v = {value}")["v"]
         except tomllib.TOMLDecodeError:
@@ -112,7 +113,7 @@ def _evaluate(args: argparse.Namespace) -> int:
 def _option(text: str) -> tuple[str, object]:
     key, sep, value = text.partition("=")
     if not sep:
-        raise SystemExit(f"--option expects KEY=VALUE, got {text!r}")
+        raise UserError(f"--option expects KEY=VALUE, got {text!r}")
     for cast in (int, float):
         try:
             return key, cast(value)

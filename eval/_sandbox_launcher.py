@@ -18,7 +18,10 @@ evaluating process and calling ctypes there before exec could deadlock. Steps:
    `python -I -S` on a short bootstrap that adds the site-packages directories and runs the file;
 5. the launcher exits with the program's status, except that status 0 counts only when the bootstrap
    wrote back this run's random token after the file's last line ran (see `BOOTSTRAP`); otherwise it
-   exits with INCOMPLETE.
+   exits with INCOMPLETE. With separate tests (`config["tests"]`) the program's bootstrap is `SERVER`
+   instead, and the launcher runs the tests itself, calling into it (`run_tests`): it exits 0 when the
+   tests reached their end, TESTS_FAILED otherwise, and kills the program's process when they are done.
+   (`_sandbox_calls.py` has both sides.)
 
 What was achieved is written to the report file (marshal format); nothing is skipped silently. With
 `--reap UID` it instead kills every process of UID (used when no PID namespace was available).
@@ -33,6 +36,13 @@ import signal
 import sys
 import time
 
+# -I leaves the script's folder off sys.path; put it there for this import only (eval/trace.py and the
+# other modules beside it must not shadow the standard library for the tests' own imports).
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _sandbox_calls import SERVER, WIRE, run_tests  # noqa: E402 - after the path it needs
+
+del sys.path[0]
+
 CLONE_NEWNS = 0x00020000
 CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
@@ -44,6 +54,7 @@ EXEC_FAILED = 125  # exit status when the program could not be started (reported
 # failure. A program that exits with this status itself is a failure too, so nothing is lost.
 INCOMPLETE = 126
 TOKEN_BYTES = 16  # 128 random bits a run: no program can guess them
+TESTS_FAILED = 1  # exit status when separate tests did not run to their end
 TMP_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
 # The program's first lines: `python -I -S` starts fast (no .pth processing); the bootstrap then adds
 # the configured site-packages directories and runs the entry file as __main__ (compiling it ourselves
@@ -69,7 +80,6 @@ BOOTSTRAP = (
     "    write(int(done_fd), token)\n"
     "_main(sys, os, os.write)\n"
 )
-
 
 def _libc():
     """The C library with prototypes for the calls we make (None where it cannot be loaded)."""
@@ -231,11 +241,12 @@ def drop_privileges(uid):
     raise OSError(errno.EPERM, "could not drop privileges")
 
 
-def exec_program(config, cwd, status_fd, token_fd, done_fd):
+def exec_program(config, cwd, status_fd, bootstrap, fds):
     """In the program's process: drop privileges, then exec Python on the program (never returns).
 
-    `token_fd` (holding the run's token) and `done_fd` (where the bootstrap writes it back at the
-    program's end) are the only descriptors the program inherits besides stdin/stdout/stderr.
+    `fds` (the bootstrap's pipes: the token's and the done pipe, or the call pipes with separate tests)
+    are the only descriptors the program inherits besides stdin/stdout/stderr; their numbers follow the
+    entry file on the bootstrap's command line.
     """
     try:
         if config["drop"]:
@@ -246,9 +257,9 @@ def exec_program(config, cwd, status_fd, token_fd, done_fd):
         except OSError:
             pass
         os.chdir(cwd)
-        os.set_inheritable(token_fd, True)
-        os.set_inheritable(done_fd, True)
-        argv = [config["python"], "-I", "-S", "-c", BOOTSTRAP, config["entry"], str(token_fd), str(done_fd)]
+        for fd in fds:
+            os.set_inheritable(fd, True)
+        argv = [config["python"], "-I", "-S", "-c", bootstrap, config["entry"], *map(str, fds)]
         argv += config["sys_path"]
         os.execve(config["python"], argv, dict(config["env"], HOME=cwd, TMPDIR=cwd))
     except BaseException as exc:  # noqa: BLE001 - anything here is a sandbox failure, report it
@@ -263,7 +274,7 @@ def exit_code(status):
     return os.WEXITSTATUS(status)
 
 
-def namespace_init(config, cwd, status_fd, token_fd, done_fd):
+def namespace_init(config, cwd, status_fd, bootstrap, fds):
     """PID 1 of the new namespace: mount its /proc, fork the program, reap everything, pass its status."""
     if config["fs_isolated"]:
         try:
@@ -276,8 +287,8 @@ def namespace_init(config, cwd, status_fd, token_fd, done_fd):
         os.write(status_fd, f"error {type(exc).__name__}: {exc}\n".encode())
         os._exit(EXEC_FAILED)
     if program == 0:
-        exec_program(config, cwd, status_fd, token_fd, done_fd)
-    for fd in (status_fd, token_fd, done_fd):
+        exec_program(config, cwd, status_fd, bootstrap, fds)
+    for fd in (status_fd, *fds):
         os.close(fd)
     while True:
         pid, status = os.wait()
@@ -289,6 +300,7 @@ def run(config_path):
     """Confine, start the program, report, and exit with the program's exit code."""
     with open(config_path, "rb") as handle:
         config = marshal.load(handle)
+    os.unlink(config_path)  # it holds the tests: a program running as this uid must not read them
     report = open(config["report"], "wb")  # opened before /tmp may be covered
     limit_errors = set_limits(config["limits"])
     state = isolate(config["isolate"], config["tmpfs_bytes"])
@@ -299,19 +311,26 @@ def run(config_path):
     config["fs_isolated"] = state["fs_isolated"]
     config["drop"] = plan_privilege_drop(config, state)
     read_fd, status_fd = os.pipe()  # close-on-exec: EOF once the program has exec'd or failed
-    token = os.urandom(TOKEN_BYTES).hex().encode()
-    token_fd, token_write = os.pipe()
-    os.write(token_write, token)  # 32 bytes, far below the pipe's buffer: never blocks
-    os.close(token_write)
-    done_read, done_fd = os.pipe()
+    tests = config.get("tests")
+    if tests is None:
+        token = os.urandom(TOKEN_BYTES).hex().encode()
+        token_fd, token_write = os.pipe()
+        os.write(token_write, token)  # 32 bytes, far below the pipe's buffer: never blocks
+        os.close(token_write)
+        done_read, done_fd = os.pipe()
+        bootstrap, fds, ours = BOOTSTRAP, (token_fd, done_fd), (done_read,)
+    else:
+        request_read, request_write = os.pipe()
+        reply_read, reply_write = os.pipe()
+        bootstrap, fds, ours = f"WIRE = {WIRE!r}\n{SERVER}", (request_read, reply_write), (request_write, reply_read)
     child = os.fork()
     if child == 0:
-        os.close(read_fd)
-        os.close(done_read)
+        for fd in (read_fd, *ours):
+            os.close(fd)
         if state["pid_isolated"]:
-            namespace_init(config, cwd, status_fd, token_fd, done_fd)
-        exec_program(config, cwd, status_fd, token_fd, done_fd)
-    for fd in (status_fd, token_fd, done_fd):
+            namespace_init(config, cwd, status_fd, bootstrap, fds)
+        exec_program(config, cwd, status_fd, bootstrap, fds)
+    for fd in (status_fd, *fds):
         os.close(fd)
     messages = os.fdopen(read_fd, encoding="utf-8").read().splitlines()
     state["privileges_dropped"] = any(m.startswith("uid ") for m in messages)
@@ -319,6 +338,15 @@ def run(config_path):
     state["exec_error"] = next((m[len("error ") :] for m in messages if m.startswith("error ")), None)
     marshal.dump(state, report)  # before the wait: after a timeout the parent still needs the uid
     report.close()
+    if tests is not None:
+        passed = run_tests(tests, config["sys_path"], request_write, reply_read)
+        os.close(request_write)  # the program's side ends at EOF; kill it in case it does not
+        try:
+            os.kill(child, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        os.waitpid(child, 0)
+        sys.exit(0 if passed else TESTS_FAILED)
     _, status = os.waitpid(child, 0)
     code = exit_code(status)
     if code == 0 and not ran_to_end(done_read, token):

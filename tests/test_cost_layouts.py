@@ -37,7 +37,8 @@ def test_fits_names_the_target_a_block_cached_shape_needs():
 # The hub's config.json keys of GSAI-ML/LLaDA-8B-Base (OLMo-style) and Dream-org/Dream-v0-Base-7B (Qwen2-style).
 HUB_CONFIGS = {
     "llada-8b": {"model_type": "llada", "d_model": 4096, "n_layers": 32, "n_heads": 32, "n_kv_heads": 32,
-                 "mlp_hidden_size": 12288, "embedding_size": 126464, "vocab_size": 126464},
+                 "mlp_hidden_size": 12288, "embedding_size": 126464, "vocab_size": 126464, "block_type": "llama",
+                 "layer_norm_type": "rms", "activation_type": "silu", "rope": True},
     "dream-7b": {"model_type": "Dream", "hidden_size": 3584, "num_hidden_layers": 28, "num_attention_heads": 28,
                  "num_key_value_heads": 4, "intermediate_size": 18944, "vocab_size": 152064},
 }
@@ -101,8 +102,6 @@ def test_projection_never_replays_block_cached_shapes_on_a_bidirectional_target(
     assert "- sequential on tiny-bidirectional: its calls cover one block" in text
 
 
-@pytest.mark.xfail(strict=True, reason="review11: eval/cost_model.arch_config keeps its own copy of the hub config "
-                   "mapping; fix by reading dllm.models.loading.detect_kind and dllm.models.native's mappers")
 @pytest.mark.parametrize("family", ["llada", "dream"])
 def test_a_hub_folder_gets_the_shape_and_layout_dllm_load_gives_it(tmp_path, family):
     """The cost model's architecture of a hub-layout folder is the one dllm.load builds from it: LLaDA's MLP
@@ -117,3 +116,11 @@ def test_a_hub_folder_gets_the_shape_and_layout_dllm_load_gives_it(tmp_path, fam
     native = (llada_config if family == "llada" else dream_config)(config, 5, 1, 1)
     got = cost_model.arch_config(str(tmp_path))
     assert got["mlp_hidden"] == native.mlp_hidden and got["layout"] == native.layout
+
+
+def test_bench_without_matplotlib_says_so_in_one_line(tmp_path, monkeypatch, capsys):
+    from dllm.eval.bench_report import write_plots
+
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # import matplotlib now raises
+    assert write_plots([], tmp_path) == []
+    assert capsys.readouterr().err == "dllm bench: matplotlib is not installed, so no plots (pip install matplotlib)\n"

@@ -172,6 +172,21 @@ def test_humaneval_completions_that_exit_before_the_tests_fail(humaneval):
     assert task.score(problem, body)["passed"]  # the same problem with the plain solution passes
 
 
+def test_humaneval_completion_that_reads_the_harness_cannot_forge_a_pass(humaneval):
+    """Issue 12 item 5's forgery as a completion: a wrong body, then the bootstrap's token handed back and
+    an early exit. It passes a one-file program (the verdict in the program's interpreter); the task runs
+    the tests apart, so it fails there."""
+    from dllm.eval.sandbox import run_program
+
+    task, problems = humaneval
+    problem = problems[0]
+    forged = ("    return False\nimport sys\nlocals_ = sys._getframe(1).f_locals\n"
+              "locals_['write'](int(locals_['done_fd']), locals_['token'])\nsys.exit(0)\n")
+    assert run_program(task.program(problem, forged) + task.tests(problem)).passed
+    score = task.score(problem, forged)
+    assert not score["passed"] and score["status"] == "failed"
+
+
 def test_mbpp_completions_that_exit_before_the_asserts_fail():
     task = get_task("mbpp")
     problem = task.load(limit=1)[0]

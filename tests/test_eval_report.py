@@ -75,3 +75,10 @@ def test_table_and_chart(runs, tmp_path, capsys):
 def test_missing_folder_is_an_error(tmp_path, capsys):
     assert report.main([str(tmp_path)]) == 2
     assert "no run.json" in capsys.readouterr().err
+
+
+def test_report_of_a_missing_folder_is_one_prefixed_line(capsys, tmp_path):
+    from dllm.eval.report import main as report_main
+
+    assert report_main([str(tmp_path / "nope")]) == 2
+    assert capsys.readouterr().err == f"dllm eval: not evaluation folders (no run.json): {tmp_path / 'nope'}\n"

@@ -171,6 +171,19 @@ def test_diffusion_rolling_loglikelihood_is_the_elbo_of_each_window(unit_block_p
     assert math.isfinite(longer) and longer < short
 
 
+def test_max_length_is_the_context_the_model_declares(causal_path):
+    """max_length reads dllm.protocols.context_length, so a config that names its context only as LLaDA's
+    max_sequence_length gives that length, not the tokenizer's or lm-eval's 2048; model_args still wins."""
+    import types
+
+    from dllm.protocols import context_length
+
+    lm = DllmLM(pretrained=str(causal_path), sampler="ar")
+    lm.model.config = types.SimpleNamespace(max_sequence_length=48)  # the adapter's view of a LLaDA config
+    assert context_length(lm.model) == 48 and lm.max_length == 48
+    assert DllmLM(pretrained=str(causal_path), sampler="ar", max_length=20).max_length == 20
+
+
 def test_model_args_are_checked_before_loading(tmp_path):
     missing = str(tmp_path / "absent")  # loading it would fail: the key must be refused first
     with pytest.raises(ValueError, match=r"unknown model_args key\(s\) \['widow'\].*'window'"):
@@ -296,7 +309,6 @@ def test_command_line_errors_are_one_line(causal_path, tmp_path, monkeypatch, ca
     monkeypatch.delenv("DLLM_DEBUG", raising=False)
     args = ["run", "--model", "dllm", "--model_args", f"pretrained={causal_path},{model_args}", "--tasks",
             "dllm_tiny_mc", "--include_path", str(_tiny_tasks(tmp_path))]
-    with pytest.raises(SystemExit) as exit_info:
-        lm_eval_plugin.main(args)
-    assert str(exit_info.value).startswith(f"dllm lm-eval: {message}")
-    assert "\n" not in str(exit_info.value)
+    assert lm_eval_plugin.main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines()[-1].startswith(f"dllm lm-eval: {message}")  # (lm-eval's own logging may precede it)

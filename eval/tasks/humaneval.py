@@ -2,9 +2,9 @@
 
 Plain prompts are the problem's prompt; the completion is cut at the Codex paper's stop sequences
 (a new top-level def/class/if-main/print/comment). Chat prompts ask for the whole function in a fenced
-block; when a completion holds a fenced block, that block is the solution. The test program is the
-prompt (keeping its imports and helper functions), the solution, the problem's `test` and
-`check(entry_point)`, run in the sandbox.
+block; when a completion holds a fenced block, that block is the solution. The program is the
+prompt (keeping its imports and helper functions) and the solution; the problem's `test` and
+`check(entry_point)` run apart in the sandbox's launcher, calling into it (`dllm.eval.sandbox`).
 """
 
 from __future__ import annotations
@@ -44,9 +44,12 @@ class HumanEval(CodeTask):
         return block if block is not None else truncate_at_stop(completion, STOP)
 
     def program(self, problem: dict, solution: str) -> str:
-        """Prompt + solution + tests; a solution that redefines the function simply follows the stub."""
+        """Prompt + solution; a solution that redefines the function simply follows the stub."""
         defines_entry = f"def {problem['entry_point']}(" in solution
         # The prompt ends in a docstring-only function, valid on its own, so a full redefinition may
         # follow it; keeping the prompt keeps its imports and helper functions.
-        code = f"{problem['prompt']}\n{solution}" if defines_entry else problem["prompt"] + solution
-        return f"{code}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
+        return f"{problem['prompt']}\n{solution}\n" if defines_entry else f"{problem['prompt']}{solution}\n"
+
+    def tests(self, problem: dict) -> str:
+        """The problem's `check` and its call on the entry point."""
+        return f"{problem['test']}\n\ncheck({problem['entry_point']})\n"

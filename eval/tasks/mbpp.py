@@ -5,8 +5,8 @@ Plain prompts are the paper's 3-shot format, with task_ids 2, 3, 4 as the exampl
 tests:\\n\\n{tests}\\n[BEGIN]\\n{code}\\n[DONE]"; generation stops at `[DONE]`. Problems are the test
 split, task_ids 11-510. `subset="full"` reads the original file (text / code / test_list /
 test_setup_code), `subset="sanitized"` the hand-verified one (prompt / code / test_imports /
-test_list; 257 test problems). The test program is the test imports, the solution, the setup code and
-the asserts, run in the sandbox.
+test_list; 257 test problems). The program is the test imports, the solution and the setup code; the
+test imports and asserts run apart in the sandbox's launcher, calling into it (`dllm.eval.sandbox`).
 
 Reference solutions that fail their own tests: none in the full test split; see tests/test_eval_code.py.
 """
@@ -110,6 +110,10 @@ class MBPP(CodeTask):
         return code.removeprefix("[BEGIN]").strip("\n")
 
     def program(self, problem: dict, solution: str) -> str:
-        """Test imports, solution, setup code (it may use the solution's classes), then the asserts."""
-        parts = [*problem["test_imports"], solution, problem["test_setup_code"], *problem["test_list"]]
+        """Test imports, solution, then the setup code (it may use the solution's classes)."""
+        parts = [*problem["test_imports"], solution, problem["test_setup_code"]]
         return "\n".join(part for part in parts if part) + "\n"
+
+    def tests(self, problem: dict) -> str:
+        """Test imports, then the asserts (the setup code's objects are the program's, passed by name)."""
+        return "\n".join(part for part in [*problem["test_imports"], *problem["test_list"]] if part) + "\n"

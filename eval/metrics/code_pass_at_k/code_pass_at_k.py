@@ -12,15 +12,15 @@ class CodePassAtK(ShippedMetric):
 
     FEATURES = {"predictions": datasets.Sequence(datasets.Value("string")), "references": datasets.Value("string")}
     DESCRIPTION = """
-    Unbiased pass@k (Chen et al. 2021) of code candidates. Each candidate, followed by its problem's test
-    program, runs in dllm's sandbox (a separate confined process; see `dllm.eval.sandbox`), never in the
-    evaluating process; it passes when the program exits with status 0. Unlike the hub's `code_eval` it
+    Unbiased pass@k (Chen et al. 2021) of code candidates. Each candidate runs in dllm's sandbox (a separate
+    confined process; see `dllm.eval.sandbox`), never in the evaluating process, and its problem's test
+    program runs beside it, calling into it; it passes when the tests run to their end. Unlike the hub's `code_eval` it
     loads offline and needs no opt-in environment variable, because the code never runs in-process.
     """
     INPUTS = """
     Args:
         predictions: list of candidate lists, one list of program strings per problem.
-        references: list of test programs (str), one per problem, appended to each candidate.
+        references: list of test programs (str), one per problem, run against each candidate.
         k: list of k values (default [1]); each must not exceed the number of candidates per problem.
         timeout: wall-clock seconds per program (default 10).
         max_workers: parallel sandboxes (default: the number of cores).
@@ -41,7 +41,8 @@ class CodePassAtK(ShippedMetric):
     """
 
     def _compute(self, predictions, references, k=(1,), timeout=10.0, max_workers=None):
-        programs = [f"{c}\n\n{test}\n" for cands, test in zip(predictions, references) for c in cands]
-        results = iter(run_many(programs, timeout=timeout, max_workers=max_workers))
+        programs = [c for cands in predictions for c in cands]
+        tests = [test for cands, test in zip(predictions, references) for _ in cands]
+        results = iter(run_many(programs, tests=tests, timeout=timeout, max_workers=max_workers))
         flags = [[next(results).passed for _ in cands] for cands in predictions]
         return {f"pass@{kk}": pass_at_k(flags, kk) for kk in k}
