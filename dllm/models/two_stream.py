@@ -93,9 +93,11 @@ class RevealCache:
 class TwoStreamLM(nn.Module):
     """A TransformerLM's layers run as content and query streams; see the module docstring."""
 
-    def __init__(self, base: TransformerLM):
+    def __init__(self, base: TransformerLM, block_size: int | None = None):
         super().__init__()
         self.base = base
+        # The blocks it was trained to decode in (samplers' default block_length); none in its attention.
+        self.block_size = base.config.block_size if block_size is None else block_size
         self.config = base.config
         self.vocab_size, self.mask_token_id = base.vocab_size, base.config.mask_token_id
         if self.mask_token_id is None:
@@ -106,7 +108,7 @@ class TwoStreamLM(nn.Module):
     def capabilities(self) -> Capabilities:
         """Padding and the reveal-order cache with its one-pass exact verifier (dllm.protocols)."""
         return Capabilities(accepts_attention_mask=True, context_length=self.config.max_seq_len,
-                            reveal_order_cache=True, one_pass_exact=True)
+                            block_size=self.block_size, reveal_order_cache=True, one_pass_exact=True)
 
     @property
     def context_length(self) -> int:
@@ -157,10 +159,11 @@ class TwoStreamLM(nn.Module):
             new_kv.append((k, v))
         return h, new_kv
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, block_offset=None) -> Tensor:
         """The DiffusionModel call: revealed tokens in position order, a query at every position.  # [B, L, V]
 
         attention_mask: [B, L] 0/1 left padding (positions then start at each row's first real token).
+        block_offset: accepted and unused (no block mask here: blocks only steer the samplers' order).
         """
         real = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         positions = positions_from_mask(real)
@@ -172,12 +175,14 @@ class TwoStreamLM(nn.Module):
     def save_pretrained(self, folder: str | Path) -> None:
         """The base's files plus the two-stream marker."""
         self.base.save_pretrained(folder)
-        (Path(folder) / MARKER).write_text(json.dumps({"layout": "two_stream"}) + "\n")
+        (Path(folder) / MARKER).write_text(json.dumps({"layout": "two_stream", "block_size": self.block_size}) + "\n")
 
     @classmethod
     def from_pretrained(cls, folder: str | Path, device=None, dtype=None) -> TwoStreamLM:
         """Load a saved TwoStreamLM, or wrap any TransformerLM folder (e.g. the diffusion model, as an init)."""
-        return cls(TransformerLM.from_pretrained(folder, device=device, dtype=dtype)).eval()
+        marker = Path(folder) / MARKER
+        block_size = json.loads(marker.read_text()).get("block_size") if marker.exists() else None
+        return cls(TransformerLM.from_pretrained(folder, device=device, dtype=dtype), block_size).eval()
 
 
 def is_two_stream_folder(folder: str | Path) -> bool:

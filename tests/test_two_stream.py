@@ -1,0 +1,192 @@
+"""The two-stream layout (dllm/models/two_stream.py) and its samplers (samplers/two_stream.py).
+
+The ground truth is the law enumerated from the layout's own definition (uncached calls, one per decision
+state): the product of query conditionals in the order the sampler's rule reveals positions.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dllm
+from dllm.models.transformer import TransformerConfig, TransformerLM
+from dllm.models.two_stream import TwoStreamLM
+from dllm.numerics import forbid_token
+from dllm.samplers.order import top1_probability
+from dllm.training.batches import Example
+from dllm.training.prefix import build_stream_batch, stream_loss
+
+from stat_tools import ALPHA, chi_square_pvalue
+
+VOCAB, MASK = 5, 4  # tokens 0..3, the mask token 4
+PROMPT = torch.tensor([1, 3, 0])
+
+
+@pytest.fixture(scope="module")
+def model() -> TwoStreamLM:
+    """A small random two-stream model with sharp, strongly context-dependent conditionals."""
+    torch.manual_seed(0)
+    config = TransformerConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=2, max_seq_len=64,
+                               layout="bidirectional", mask_token_id=MASK)
+    base = TransformerLM(config)
+    with torch.no_grad():
+        for p in base.parameters():
+            if p.dim() >= 2:
+                p.mul_(12.0)
+    return TwoStreamLM(base, block_size=2).eval()
+
+
+def enumerated_law(model, prompt, gen_length, temperature, order, block_length):
+    """{answer: probability} of the chain, by brute force over reveal sequences (uncached calls)."""
+    p = prompt.numel()
+    cols = torch.arange(p + gen_length)
+    # A state: the canvas and the reveal order (content ids/positions in that order).
+    canvas = torch.cat([prompt, torch.full((gen_length,), MASK)])[None]
+    content, content_pos = prompt[None].clone(), torch.arange(p)[None]
+    probs = torch.ones(1, dtype=torch.float64)
+    for _ in range(gen_length):
+        n = canvas.shape[0]
+        query_pos = cols[p:].expand(n, -1)
+        sees = torch.full_like(query_pos, content.shape[1])
+        with torch.no_grad():
+            logits = model.streams(content, content_pos, torch.ones_like(content, dtype=torch.bool), query_pos, sees)
+        logits = forbid_token(logits, MASK)
+        masked = canvas[:, p:] == MASK
+        block = torch.div(cols[p:] - p, block_length, rounding_mode="floor")
+        active = torch.where(masked, block, 10**6).min(dim=1).values
+        candidates = masked & (block[None] == active[:, None])
+        if order == "left_to_right":
+            score = -cols[p:].float().expand(n, -1)
+        else:
+            score = top1_probability(logits)
+        pick = torch.where(candidates, score, float("-inf")).argmax(dim=1)  # [n] answer offsets
+        chosen = logits[torch.arange(n), pick]
+        if temperature == 0:
+            step = torch.zeros_like(chosen, dtype=torch.float64).scatter_(1, chosen.argmax(-1, keepdim=True), 1.0)
+        else:
+            step = torch.softmax(chosen.double() / temperature, dim=-1)
+        parent, token = (step > 0).nonzero(as_tuple=True)
+        canvas = canvas[parent].clone()
+        canvas[torch.arange(parent.numel()), p + pick[parent]] = token
+        content = torch.cat([content[parent], token[:, None]], dim=1)
+        content_pos = torch.cat([content_pos[parent], (p + pick[parent])[:, None]], dim=1)
+        probs = probs[parent] * step[parent, token]
+    law: dict[tuple[int, ...], float] = {}
+    for answer, prob in zip(canvas[:, p:].tolist(), probs.tolist()):
+        law[tuple(answer)] = law.get(tuple(answer), 0.0) + prob
+    return law
+
+
+def _sample(model, sampler, n, temperature, order, block_length, seed=0, **options):
+    prompt = PROMPT[None].expand(n, -1)
+    if order is not None:
+        options["order"] = order
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        out = dllm.generate(model, prompt, sampler=sampler, max_new_tokens=4, temperature=temperature,
+                            generator=generator, eos_token_id=None, block_length=block_length, **options)
+    return out
+
+
+def test_cached_logits_equal_uncached_recomputation(model):
+    """Content appended one token per call (the cache) gives the logits of one uncached call."""
+    ids = torch.tensor([[1, 3, 0, 2, 1, 0, 3]])
+    pos = torch.tensor([[0, 1, 2, 5, 3, 6, 4]])  # reveal order differs from position order
+    query = torch.tensor([[7, 8, 4]])
+    ones = torch.ones_like(ids, dtype=torch.bool)
+    with torch.no_grad():
+        cache = model.new_cache(1)
+        for i in range(ids.shape[1]):
+            cached = model.streams(ids[:, i:i + 1], pos[:, i:i + 1], ones[:, :1], query, torch.ones_like(query),
+                                   cache=cache, append=True)
+            full = model.streams(ids[:, :i + 1], pos[:, :i + 1], ones[:, :i + 1], query,
+                                 torch.full_like(query, i + 1))
+            assert torch.allclose(forbid_token(cached, MASK)[..., :MASK], full[..., :MASK], atol=1e-5)
+
+
+def test_rejected_content_is_forgotten(model):
+    """Entries dropped by ``keep`` are attended by no one: logits as if they were never appended."""
+    with torch.no_grad():
+        cache = model.new_cache(1)
+        ones = torch.ones(1, 3, dtype=torch.bool)
+        query = torch.tensor([[6]])
+        model.streams(PROMPT[None], torch.arange(3)[None], ones, query, torch.ones_like(query), cache=cache,
+                      append=True)
+        model.streams(torch.tensor([[2, 1]]), torch.tensor([[3, 4]]), ones[:, :2], query, torch.ones_like(query),
+                      cache=cache, append=True)
+        cache.keep(torch.tensor([0]), torch.tensor([[True, False]]))
+        after = model.streams(torch.tensor([[0]]), torch.tensor([[5]]), ones[:, :1], query, torch.ones_like(query),
+                              cache=cache)
+        full = model.streams(torch.tensor([[1, 3, 0, 2, 0]]), torch.tensor([[0, 1, 2, 3, 5]]), ones.new_ones(1, 5),
+                             query, torch.full_like(query, 5))
+    assert torch.allclose(after[..., :MASK], full[..., :MASK], atol=1e-5)
+
+
+def test_the_law_depends_on_the_reveal_order(model):
+    """Confidence order's chain differs from left-to-right's: the enumeration tells them apart."""
+    a = enumerated_law(model, PROMPT, 4, 1.0, "left_to_right", 2)
+    b = enumerated_law(model, PROMPT, 4, 1.0, "confidence", 2)
+    assert abs(sum(a.values()) - 1) < 1e-9 and abs(sum(b.values()) - 1) < 1e-9
+    assert max(abs(a.get(k, 0) - b.get(k, 0)) for k in set(a) | set(b)) > 0.01
+
+
+@pytest.mark.parametrize("sampler,options", [("sequential", {}), ("fef", {"window": 2}), ("fef", {"window": 4})])
+@pytest.mark.parametrize("order", ["left_to_right", "confidence"])
+@pytest.mark.parametrize("temperature,block_length", [(1.0, 2), (0.7, 4), (1.0, 4)])
+def test_samplers_are_exact(model, sampler, options, order, temperature, block_length):
+    law = enumerated_law(model, PROMPT, 4, temperature, order, block_length)
+    out = _sample(model, sampler, 3000, temperature, order, block_length, **options)
+    assert out.exact
+    assert chi_square_pvalue(out.sequences[:, 3:], law) > ALPHA
+
+
+def test_factorized_parallel_unmasking_fails(model):
+    """The test has power: llada revealing a whole block from its marginals is not the chain."""
+    law = enumerated_law(model, PROMPT, 4, 1.0, "left_to_right", 4)
+    out = _sample(model, "llada", 3000, 1.0, None, 4, steps=1)
+    assert chi_square_pvalue(out.sequences[:, 3:], law) < ALPHA
+
+
+@pytest.mark.parametrize("order", ["left_to_right", "confidence"])
+@pytest.mark.parametrize("window,block_length", [(1, 2), (3, 4), (4, 2)])
+def test_greedy_fef_equals_greedy_sequential(model, order, window, block_length):
+    prompts = torch.tensor([[1, 3, 0], [2, 2, 1], [0, 1, 3], [3, 3, 3]])
+    runs = []
+    for sampler, options in (("sequential", {}), ("fef", {"window": window})):
+        with torch.no_grad():
+            runs.append(dllm.generate(model, prompts, sampler=sampler, max_new_tokens=8, temperature=0,
+                                      eos_token_id=None, order=order, block_length=block_length, **options))
+    assert torch.equal(runs[0].sequences, runs[1].sequences)
+    law = enumerated_law(model, prompts[0], 8, 0, order, block_length)
+    assert law == {tuple(runs[0].sequences[0, 3:].tolist()): 1.0}
+
+
+def test_sequential_costs_two_tokens_per_step(model):
+    """left_to_right sequential: one call per token, one content token and one query each (the prompt
+    rides along the first call)."""
+    out = _sample(model, "sequential", 1, 1.0, "left_to_right", 4)
+    assert out.stats.nfe == 4 and out.stats.forward_tokens == (3 + 1) + 3 * 2
+
+
+def test_training_loss_is_the_chain_log_likelihood(model):
+    """One training pass scores every region token exactly as the cached chain does in that order."""
+    example = Example(prompt=(1, 3, 0), region=(2, 0, 1, 3), answer_tokens=4)
+    generator = torch.Generator().manual_seed(3)
+    batch = build_stream_batch([example], pad_id=0, block_size=2, generator=generator, in_order_prob=0.0)
+    with torch.no_grad():
+        loss = float(stream_loss(model, batch, "fp32", torch.device("cpu")))
+    order = (batch.query_pos[0] - 3).tolist()
+    assert sorted(order[:2]) == [0, 1] and sorted(order[2:]) == [2, 3]  # blocks left to right
+    total = 0.0
+    with torch.no_grad():
+        cache = model.new_cache(1)
+        pending, pending_pos = torch.tensor([[1, 3, 0]]), torch.arange(3)[None]
+        for offset in order:
+            query = torch.tensor([[3 + offset]])
+            logits = model.streams(pending, pending_pos, torch.ones_like(pending, dtype=torch.bool), query,
+                                   torch.full_like(query, pending.shape[1]), cache=cache, append=True)
+            token = example.region[offset]
+            total -= float(torch.log_softmax(logits[0, 0], dim=-1)[token])
+            pending, pending_pos = torch.tensor([[token]]), query
+    assert abs(loss - total) < 1e-4
