@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from dllm.counting import Call
+from dllm.counting import CountingModel
 from dllm.numerics import bind_rows, forbid_token, positions_from_mask
 from dllm.stats import DecodeStats, StepEvent
 
@@ -62,7 +62,8 @@ def decode(model, prompt, gen_length, *, temperature, generator, stats: DecodeSt
     if cache not in ("auto", "none"):
         raise ValueError(f"cache={cache!r}: a two-stream model decodes with its own exact reveal-order cache; "
                          "use cache='auto'")
-    state = _Decoding(model, prompt, gen_length, block_length, attention_mask, eos_token_id)
+    state = _Decoding(CountingModel(model, stats.record), prompt, gen_length, block_length, attention_mask,
+                      eos_token_id)
     canvas = state.canvas
     for block in range(canvas.num_blocks):
         state.cache.compact()
@@ -96,10 +97,8 @@ def two_stream_round(state: _Decoding, rows, in_block, temperature, generator, s
     content_valid = torch.cat([valid, torch.arange(width, device=x.device)[None, :] < count[:, None]], dim=1)
     q_col, q_copy, q_valid = _queries(x, candidates, positions, count, order, window, mask_id)
     sees = k_pending + torch.minimum(q_copy, count[:, None])  # lookahead (copy W + 1) sees every valid draft
-    context = state.cache.length
     logits = state.model.streams(content_ids, content_pos, content_valid, state.positions[rows].gather(1, q_col),
-                                 sees, cache=state.cache, rows=rows, append=True)  # [R, Q, V]
-    stats.record(Call(n, content_ids.shape[1] + q_col.shape[1], context))
+                                 sees, cache=state.cache, rows=rows, append=True)  # [R, Q, V], counted once
     logits = forbid_token(logits, mask_id)
 
     # Each copy's pick: the position sequential reveals next after d_<k, from that copy's own queries.
