@@ -190,3 +190,46 @@ def test_training_loss_is_the_chain_log_likelihood(model):
             total -= float(torch.log_softmax(logits[0, 0], dim=-1)[token])
             pending, pending_pos = torch.tensor([[token]]), query
     assert abs(loss - total) < 1e-4
+
+
+def test_prefix_conditioned_recipe_trains_and_ships_a_two_stream_folder(tmp_path):
+    """``dllm train --recipe prefix-conditioned`` runs end to end and saves a folder dllm.load reads."""
+    from pathlib import Path
+
+    from dllm.train import main
+    from dllm.training.recipes import RECIPES
+
+    assert RECIPES["prefix-conditioned"] == "dllm.training.prefix"
+    shipped = Path(__file__).resolve().parents[1] / "dllm" / "weights" / "diffusion"
+    init = tmp_path / "init"
+    torch.manual_seed(0)
+    tiny = TransformerLM(TransformerConfig(vocab_size=495, dim=32, n_layers=1, n_heads=2, max_seq_len=256,
+                                           layout="block_causal", block_size=8, mask_token_id=2, eos_token_id=1,
+                                           pad_token_id=0))
+    tiny.save_pretrained(init)
+    (init / "tokenizer.json").write_bytes((shipped / "tokenizer.json").read_bytes())
+    out = tmp_path / "run"
+    settings = ["train.steps=2", "train.batch_size=4", "train.micro_batch_size=2", "train.log_every=1",
+                "train.eval_every=2", "train.eval_problems=2", "train.warmup_steps=1"]
+    config = Path(__file__).resolve().parents[1] / "configs" / "prefix_conditioned.toml"
+    args = ["--recipe", "prefix-conditioned", "--config", str(config), "--init", str(init), "--output", str(out)]
+    assert main(args + [a for s in settings for a in ("--set", s)]) == 0
+    loaded = dllm.load(out / "model")
+    assert isinstance(loaded, TwoStreamLM) and loaded.capabilities.one_pass_exact and loaded.block_size == 8
+    assert not torch.equal(loaded.base.layers[0].attn.wqkv.weight, tiny.layers[0].attn.wqkv.weight)
+
+
+def test_recipe_settings_are_checked_by_name(tmp_path):
+    from dllm.training.prefix import PrefixConfig, read_config
+
+    with pytest.raises(ValueError, match="prefix.left_to_right_prob"):
+        PrefixConfig(left_to_right_prob=2)
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[prefix]\nblok_size = 8\n")
+    with pytest.raises(ValueError, match="unknown \\[prefix\\] keys \\['blok_size'\\]"):
+        read_config(str(bad), [])
+
+
+def test_block_cache_option_is_refused_by_name(model):
+    with pytest.raises(ValueError, match="cache='block'"):
+        _sample(model, "fef", 1, 1.0, "left_to_right", 2, window=2, cache="block")
