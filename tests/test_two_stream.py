@@ -233,3 +233,19 @@ def test_recipe_settings_are_checked_by_name(tmp_path):
 def test_block_cache_option_is_refused_by_name(model):
     with pytest.raises(ValueError, match="cache='block'"):
         _sample(model, "fef", 1, 1.0, "left_to_right", 2, window=2, cache="block")
+
+
+@pytest.mark.parametrize("sampler,options", [("sequential", {}), ("fef", {"window": 3})])
+def test_ragged_batch_equals_rows_alone(model, sampler, options):
+    """Left padding, EOS stops and rows finishing at different rounds change no row's greedy answer."""
+    prompts = [[1, 3, 0], [2, 1], [0, 1, 3, 3], [3]]
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    common = dict(sampler=sampler, max_new_tokens=8, temperature=0, eos_token_id=0, order="confidence",
+                  block_length=4, **options)
+    with torch.no_grad():
+        batch = dllm.generate(model, ids, attention_mask=mask, **common).sequences[:, width:]
+        for row, prompt in enumerate(prompts):
+            alone = dllm.generate(model, torch.tensor([prompt]), **common).sequences[0, len(prompt):]
+            assert torch.equal(batch[row], alone)
