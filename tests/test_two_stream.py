@@ -249,3 +249,13 @@ def test_ragged_batch_equals_rows_alone(model, sampler, options):
         for row, prompt in enumerate(prompts):
             alone = dllm.generate(model, torch.tensor([prompt]), **common).sequences[0, len(prompt):]
             assert torch.equal(batch[row], alone)
+
+
+def test_position_order_enumeration_refuses_a_reveal_order_chain(model):
+    from dllm.samplers import sequential_distribution
+
+    # Left to right, position order is the reveal order: the same law, up to float32 logits.
+    assert sequential_distribution(model, PROMPT, 3, order="left_to_right", block_length=3) == pytest.approx(
+        enumerated_law(model, PROMPT, 3, 1.0, "left_to_right", 3), abs=1e-6)
+    with pytest.raises(ValueError, match="reveal order"):
+        sequential_distribution(model, PROMPT, 3, order="confidence")
