@@ -6,6 +6,8 @@ state): the product of query conditionals in the order the sampler's rule reveal
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -194,8 +196,6 @@ def test_training_loss_is_the_chain_log_likelihood(model):
 
 def test_prefix_conditioned_recipe_trains_and_ships_a_two_stream_folder(tmp_path):
     """``dllm train --recipe prefix-conditioned`` runs end to end and saves a folder dllm.load reads."""
-    from pathlib import Path
-
     from dllm.train import main
     from dllm.training.recipes import RECIPES
 
@@ -259,3 +259,20 @@ def test_position_order_enumeration_refuses_a_reveal_order_chain(model):
         enumerated_law(model, PROMPT, 3, 1.0, "left_to_right", 3), abs=1e-6)
     with pytest.raises(ValueError, match="reveal order"):
         sequential_distribution(model, PROMPT, 3, order="confidence")
+
+
+SHIPPED = Path(dllm.__file__).parent / "weights" / "two_stream"
+
+
+@pytest.mark.skipif(not (SHIPPED / "model.safetensors").exists(), reason="shipped weights not present")
+def test_shipped_two_stream_model_greedy_fef_is_sequential():
+    from dllm.data.synthetic import format_example, heldout_set
+
+    shipped = dllm.load(SHIPPED)
+    assert isinstance(shipped, TwoStreamLM) and shipped.capabilities.one_pass_exact
+    tokenizer = shipped.tokenizer
+    for problem in heldout_set()[:3]:
+        prompt = torch.tensor([tokenizer(format_example(problem["question"]), add_special_tokens=False)["input_ids"]])
+        runs = [dllm.generate(shipped, prompt, sampler=s, max_new_tokens=32, temperature=0, **o)
+                for s, o in (("sequential", {}), ("fef", {"window": 4}), ("fef", {"window": 4, "block_length": 32}))]
+        assert runs[1].exact and all(torch.equal(runs[0].sequences, r.sequences) for r in runs[1:])
