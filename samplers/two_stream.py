@@ -19,7 +19,10 @@ keys/values are cached; masked positions are read by queries that see a prefix o
 Exact by construction for every order, temperature and block length: the emitted tokens follow the chain
 of query conditionals of ``sequential`` on this model. Draft logits at a position are the latest query
 there, preferring one that saw exactly the accepted drafts (a valid proposal either way: the test uses
-the very probabilities the drafts were drawn from).
+the very probabilities the drafts were drawn from). fef's ``draft`` option changes nothing here: both
+``marginal`` and ``stale`` take these query logits, which cost no call of their own. ``cache`` may be
+``auto`` or ``none``: the reveal-order cache is exact, so both give the same law. Limit: the draft-logit
+buffer is [B, L, V] float32, fine at this vocabulary, large at a real one (to chunk for LLaDA-size V).
 """
 
 from __future__ import annotations
