@@ -61,7 +61,15 @@ class CountingModel:
             return functools.partial(self._cached, attr)
         if name == "structured_verify":
             return functools.partial(self._structured, attr)
+        if name == "streams":
+            return functools.partial(self._streams, attr)
         return attr
+
+    def _streams(self, method, content_ids, content_pos, content_valid, query_pos, *args, cache=None, **kwargs):
+        """A two-stream call (dllm/models/two_stream.py): content plus query tokens per input."""
+        tokens = content_ids.shape[1] + query_pos.shape[1]
+        self._parts[1](Call(content_ids.shape[0], tokens, cache.length if cache is not None else 0, self._parts[2]))
+        return method(content_ids, content_pos, content_valid, query_pos, *args, cache=cache, **kwargs)
 
     def _cached(self, method, input_ids, cache, *args, served: int | None = None, **kwargs):
         _, record, draft = self._parts

@@ -94,6 +94,10 @@ def is_causal_model(model: object) -> bool:
 #   ``dllm.counting.NativeLoop`` (the call to run and the modules to count); samplers/native.py
 #   runs the checkpoint's own sampler (``sampler='native'``).
 #
+# reveal_order_cache / one_pass_exact: the two-stream layout (dllm/models/two_stream.py): ``new_cache(B)``
+#   and ``streams(content, positions, valid, query_pos, query_sees, cache=, rows=, append=)``; sequential and
+#   fef then run samplers/two_stream.py, whose one-pass window verification is the chain itself.
+#
 # needs_prompt: the model cannot decode after an empty prompt (an encoder that reads the prompt, say);
 #   ``generate`` refuses empty prompts for it. Every other model decodes from an empty prompt with every
 #   sampler and cache mode.
@@ -118,6 +122,8 @@ class Capabilities:
     structured_verify: bool = False
     native_loop: bool = False  # native_loop(): the checkpoint's own loop
     hidden_states: bool = False  # forward(..., return_hidden=True) -> (logits, features [B, L, D]) (draft heads)
+    reveal_order_cache: bool = False  # streams(): revealed tokens cached in reveal order (dllm/models/two_stream.py)
+    one_pass_exact: bool = False  # one call's window conditionals are the sequential chain's (fef exact in one pass)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "context_length", _positive_int(self.context_length))

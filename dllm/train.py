@@ -88,8 +88,10 @@ def _evaluate(args: argparse.Namespace) -> int:
     from dllm.models.transformer import TransformerLM
     from dllm.training.evaluate import default_sampler, heldout_accuracy
 
+    from dllm.models.two_stream import TwoStreamLM, is_two_stream_folder
+
     folder = Path(args.eval)
-    model = TransformerLM.from_pretrained(folder)
+    model = (TwoStreamLM if is_two_stream_folder(folder) else TransformerLM).from_pretrained(folder)
     tokenizer = load_tokenizer(folder / "tokenizer.json")
     sampler, options = default_sampler(model)
     if args.sampler and args.sampler != sampler:

@@ -62,7 +62,7 @@ from dllm.samplers import SAMPLERS, typed_options
 from dllm.stats import EntropyAcceptance
 
 SHIPPED = Path(dllm.__file__).resolve().parent / "weights"
-DEFAULT_MODELS = {name: str(SHIPPED / name) for name in ("ar", "diffusion", "drafter")}
+DEFAULT_MODELS = {name: str(SHIPPED / name) for name in ("ar", "diffusion", "drafter", "two_stream")}
 HARNESS_KEYS = ("name", "model", "sampler", "temperature", "tokens_per_step")
 
 # Every sampler family on the shipped models; all greedy except where a temperature is given.

@@ -11,6 +11,7 @@ from .canvas import SESSIONS, Caller, Canvas, choose_session, decode
 from .fef import FefStepper
 from .masked import DreamStepper, EbStepper, FastDllmStepper, LladaStepper
 from .sequential import SequentialStepper
+from .two_stream import decode as two_stream_decode
 
 
 def run(
@@ -41,11 +42,17 @@ def _common(kw: dict) -> dict:
 
 # Option defaults are written once, on the configs in samplers/registry.py; generate passes every option.
 def sequential(model, prompt, gen_length, *, temperature, generator, stats, order, **kw):
+    if capabilities(model).reveal_order_cache:  # the two-stream layout: its cached chain (samplers/two_stream.py)
+        return two_stream_decode(model, prompt, gen_length, temperature=temperature, generator=generator,
+                                 stats=stats, order=order, window=0, **_common(kw))
     stepper = SequentialStepper(temperature, generator, stats, order)
     return run(stepper, model, prompt, gen_length, stats=stats, **_common(kw))
 
 
 def fef(model, prompt, gen_length, *, temperature, generator, stats, order, window, draft, verifier, **kw):
+    if capabilities(model).one_pass_exact:  # one call verifies a window exactly (samplers/two_stream.py)
+        return two_stream_decode(model, prompt, gen_length, temperature=temperature, generator=generator,
+                                 stats=stats, order=order, window=window, sampler="fef", **_common(kw))
     stepper = FefStepper(temperature, generator, stats, order, window, draft, verifier)
     return run(stepper, model, prompt, gen_length, stats=stats, **_common(kw))
 

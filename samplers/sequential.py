@@ -57,6 +57,9 @@ def sequential_distribution(
     each answer (a tuple of token ids) to its probability. The ground truth for exactness tests; written
     independently of the samplers' loop on purpose.
     """
+    if capabilities(model).reveal_order_cache and order != "left_to_right":
+        raise ValueError("sequential_distribution reads revealed tokens in position order; a two-stream model's "
+                         f"order={order!r} chain reads them in reveal order (see tests/test_two_stream.py)")
     causal = not is_diffusion_model(model)
     mask_id = -1 if causal else model.mask_token_id
     canvas = Canvas.start(prompt[None], gen_length, block_length or gen_length, mask_id)

@@ -150,7 +150,9 @@ def _load_dllm(local: Path | None, name, device, dtype, kw: dict):
         raise TypeError(f"kind='dllm' takes only the keyword tokenizer=, got {sorted(kw)}")
     if local is None:
         raise ValueError(f"kind='dllm' needs a local folder, got {str(name)!r}")
-    model = TransformerLM.from_pretrained(local, device, dtype)
+    from dllm.models.two_stream import TwoStreamLM, is_two_stream_folder
+
+    model = (TwoStreamLM if is_two_stream_folder(local) else TransformerLM).from_pretrained(local, device, dtype)
     if tokenizer is None or isinstance(tokenizer, str | os.PathLike):
         file = Path(tokenizer) if tokenizer is not None else local / "tokenizer.json"
         tokenizer = load_tokenizer(file) if file.is_file() else None

@@ -19,6 +19,7 @@ import torch
 
 from dllm.data.calc import final_answer
 from dllm.data.synthetic import format_example, heldout_set
+from dllm.protocols import capabilities
 
 
 class AnswerAligned:
@@ -79,8 +80,9 @@ def generate_until_eos(model, prompt: torch.Tensor, sampler: str, max_new_tokens
     import dllm  # the front door; imported here so the training modules stay on the ground floor
 
     layout, block = model.config.layout, model.config.block_size
-    chunk = max_new_tokens if layout == "bidirectional" else (block or 8)
-    target = AnswerAligned(model, prompt.shape[1]) if layout == "block_causal" else model
+    whole = layout == "bidirectional" or capabilities(model).reveal_order_cache  # two-stream: its cache keeps the order
+    chunk = max_new_tokens if whole else (block or 8)
+    target = AnswerAligned(model, prompt.shape[1]) if layout == "block_causal" and not whole else model
     seq, active = prompt, torch.arange(prompt.shape[0])
     new: list[list[int]] = [[] for _ in range(prompt.shape[0])]
     while active.numel() and len(new[int(active[0])]) < max_new_tokens:

@@ -12,6 +12,7 @@ import sys
 
 RECIPES: dict[str, str] = {
     # name: module with main(argv) -> int
+    "prefix-conditioned": "dllm.training.prefix",  # the two-stream layout's any-order objective (issue 15)
 }
 
 

@@ -1,0 +1,209 @@
+"""A prefix-conditioned two-stream layout over TransformerLM's weights: the exact chain has a KV cache.
+
+Two kinds of tokens go through the same layers (XLNet's two-stream attention, the any-subset
+autoregressive models of Guo and Ermon; no code taken from either):
+
+- the *content stream*: revealed tokens at their true positions (rotary), processed causally in the
+  order they were revealed (the prompt first, in order). Content token i attends to content 0..i, so its
+  keys/values never change once computed and are cached exactly as an autoregressive model's.
+- the *query stream*: one mask-token input per masked position that is read, at that position. A query
+  attends to a prefix of the content stream (cache plus the first ``sees`` content tokens of the call)
+  and to itself, never to other queries; its logits score the token at its position given that prefix.
+
+So the chain ``sequential`` samples (reveal one position, append its token to the content stream, query
+again) is the product of query conditionals, and a fef window's prefix conditionals (query j sees
+drafts d_<j) come from ONE call of W content tokens plus W(+1) queries: the very computation the chain
+makes step by step, so one-pass verification is exact (``Capabilities.one_pass_exact``).
+
+The plain ``DiffusionModel`` call reads a canvas's revealed tokens in position order (the reveal order
+of left-to-right decoding) and queries every position.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from einops import rearrange
+from torch import Tensor, nn
+
+from dllm.models.cache import KVCache
+from dllm.models.transformer import TransformerLM
+from dllm.numerics import positions_from_mask
+from dllm.protocols import Capabilities
+
+MARKER = "two_stream.json"  # beside config.json: the folder holds a TwoStreamLM, not a plain TransformerLM
+
+
+class RevealCache:
+    """Content-stream keys/values of every canvas row, in reveal order (a ``KVCache`` over all B rows).
+
+    Calls run on a subset of rows; the other rows get invalid placeholder entries so that every row's
+    entries stay aligned. Rejected drafts are marked invalid (``keep``), never attended again.
+    """
+
+    def __init__(self, batch: int):
+        self.batch = batch
+        self.kv = KVCache()
+
+    @property
+    def length(self) -> int:
+        return self.kv.length
+
+    def rows(self, rows: Tensor) -> KVCache:
+        """The cache of ``rows`` [R] (a view of all rows when rows is everything)."""
+        if self.kv.length == 0 or (rows.numel() == self.batch and bool((rows == torch.arange(
+                self.batch, device=rows.device)).all())):
+            return self.kv
+        return self.kv.select(rows)
+
+    def extend(self, rows: Tensor, kv: list[tuple[Tensor, Tensor]], positions: Tensor, valid: Tensor) -> None:
+        """Append new content entries of ``rows`` [R] (kv [R, H, C, D] per layer, positions/valid [R, C])."""
+        if rows.numel() != self.batch:
+            def spread(t: Tensor, fill=0) -> Tensor:
+                out = t.new_full((self.batch, *t.shape[1:]), fill)
+                out[rows] = t
+                return out
+
+            kv = [(spread(k), spread(v)) for k, v in kv]
+            positions, valid = spread(positions), spread(valid, False)
+        self.kv.append(kv, positions, valid)
+
+    def keep(self, rows: Tensor, keep: Tensor) -> None:
+        """Of the last C entries of ``rows`` [R], keep those flagged in ``keep`` [R, C] (the rest are dropped)."""
+        width = keep.shape[1]
+        tail = self.kv.valid[:, -width:].clone()
+        tail[rows] &= keep
+        self.kv.valid = torch.cat([self.kv.valid[:, :-width], tail], dim=1)
+
+    def compact(self) -> None:
+        """Drop entries that no row keeps (rejected drafts, placeholders): less attention, same logits."""
+        if self.kv.length == 0:
+            return
+        used = self.kv.valid.any(dim=0)
+        if bool(used.all()):
+            return
+        index = used.nonzero().squeeze(-1)
+        kv = self.kv
+        self.kv = KVCache([k[:, :, index] for k in kv.keys], [v[:, :, index] for v in kv.values],
+                          kv.positions[:, index], kv.valid[:, index])
+
+
+class TwoStreamLM(nn.Module):
+    """A TransformerLM's layers run as content and query streams; see the module docstring."""
+
+    def __init__(self, base: TransformerLM, block_size: int | None = None):
+        super().__init__()
+        self.base = base
+        # The blocks it was trained to decode in (samplers' default block_length); none in its attention.
+        self.block_size = base.config.block_size if block_size is None else block_size
+        self.config = base.config
+        self.vocab_size, self.mask_token_id = base.vocab_size, base.config.mask_token_id
+        if self.mask_token_id is None:
+            raise ValueError("TwoStreamLM needs a base model with a mask_token_id (the query stream's input)")
+        self.eos_token_id, self.pad_token_id = base.eos_token_id, base.pad_token_id
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """Padding and the reveal-order cache with its one-pass exact verifier (dllm.protocols)."""
+        return Capabilities(accepts_attention_mask=True, context_length=self.config.max_seq_len,
+                            block_size=self.block_size, reveal_order_cache=True, one_pass_exact=True)
+
+    @property
+    def context_length(self) -> int:
+        return self.config.max_seq_len
+
+    def new_cache(self, batch: int) -> RevealCache:
+        return RevealCache(batch)
+
+    def streams(
+        self,
+        content_ids: Tensor,  # [R, C] in reveal order
+        content_pos: Tensor,  # [R, C] true positions
+        content_valid: Tensor,  # [R, C] bool; invalid entries are seen by no one
+        query_pos: Tensor,  # [R, Q] positions read
+        query_sees: Tensor,  # [R, Q] content tokens of this call each query attends to (a prefix)
+        cache: RevealCache | None = None,
+        rows: Tensor | None = None,  # [R] cache rows (default all)
+        append: bool = False,
+    ) -> Tensor:
+        """Query logits [R, Q, V]: the token at query_pos given cache + content[:sees]; with ``append`` the
+        content's keys/values join the cache (tentatively: ``RevealCache.keep`` drops rejected ones)."""
+        n, width = content_ids.shape
+        if rows is None:
+            rows = torch.arange(n, device=content_ids.device)
+        past = cache.rows(rows) if cache is not None else None
+        tokens = torch.cat([content_ids, torch.full_like(query_pos, self.mask_token_id)], dim=1)
+        positions = torch.cat([content_pos, query_pos], dim=1)
+        mask = _stream_mask(content_valid, query_sees)  # [R, C + Q, C + Q]
+        if past is not None and past.length:
+            mask = torch.cat([past.valid[:, None, :].expand(-1, mask.shape[1], -1), mask], dim=2)
+        h, new_kv = self._run(tokens, positions, mask, past)
+        if append:
+            if cache is None:
+                raise ValueError("streams(append=True) needs a cache")
+            cache.extend(rows, [(k[:, :, :width], v[:, :, :width]) for k, v in new_kv], content_pos, content_valid)
+        return self.base._logits(h[:, width:])
+
+    def _run(self, tokens: Tensor, positions: Tensor, mask: Tensor, past: KVCache | None):
+        """The base model's layers under an explicit mask.  # -> (h [R, L, dim], per-layer (k, v))"""
+        self.base._check_positions(positions)
+        cos, sin = self.base.rotary(positions)
+        h = self.base.tok_embeddings(tokens)
+        attend = rearrange(mask, "b q k -> b 1 q k")
+        new_kv = []
+        for index, layer in enumerate(self.base.layers):
+            layer_past = past.layer(index) if past is not None and past.length else None
+            h, k, v = layer(h, cos, sin, attend, layer_past)
+            new_kv.append((k, v))
+        return h, new_kv
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, block_offset=None) -> Tensor:
+        """The DiffusionModel call: revealed tokens in position order, a query at every position.  # [B, L, V]
+
+        attention_mask: [B, L] 0/1 left padding (positions then start at each row's first real token).
+        block_offset: accepted and unused (no block mask here: blocks only steer the samplers' order).
+        """
+        real = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        positions = positions_from_mask(real)
+        revealed = real & (input_ids != self.mask_token_id)
+        # Query at i sees the revealed tokens at positions < i and > i alike: all of them.
+        sees = torch.full_like(input_ids, input_ids.shape[1])
+        return self.streams(input_ids, positions, revealed, positions, sees)
+
+    def save_pretrained(self, folder: str | Path) -> None:
+        """The base's files plus the two-stream marker."""
+        self.base.save_pretrained(folder)
+        (Path(folder) / MARKER).write_text(json.dumps({"layout": "two_stream", "block_size": self.block_size}) + "\n")
+
+    @classmethod
+    def from_pretrained(cls, folder: str | Path, device=None, dtype=None) -> TwoStreamLM:
+        """Load a saved TwoStreamLM, or wrap any TransformerLM folder (e.g. the diffusion model, as an init)."""
+        marker = Path(folder) / MARKER
+        block_size = json.loads(marker.read_text()).get("block_size") if marker.exists() else None
+        return cls(TransformerLM.from_pretrained(folder, device=device, dtype=dtype), block_size).eval()
+
+
+def is_two_stream_folder(folder: str | Path) -> bool:
+    """Whether ``folder`` was saved by ``TwoStreamLM.save_pretrained``."""
+    return (Path(folder) / MARKER).exists()
+
+
+def _stream_mask(content_valid: Tensor, query_sees: Tensor) -> Tensor:
+    """Who attends to whom among this call's tokens (True = attend).  # [R, C + Q, C + Q]
+
+    Content i sees valid content j <= i; query q sees valid content j < sees[q] and itself. Every token
+    sees itself, so no row of the mask is empty (invalid entries' outputs are never read).
+    """
+    n, width = content_valid.shape
+    num_queries = query_sees.shape[1]
+    j = torch.arange(width, device=content_valid.device)
+    content_rows = (j[None, :, None] >= j[None, None, :]) & content_valid[:, None, :]  # [R, C, C]
+    query_rows = (j[None, None, :] < query_sees[:, :, None]) & content_valid[:, None, :]  # [R, Q, C]
+    eye_c = torch.eye(width, dtype=torch.bool, device=content_valid.device).expand(n, -1, -1)
+    eye_q = torch.eye(num_queries, dtype=torch.bool, device=content_valid.device).expand(n, -1, -1)
+    top = torch.cat([content_rows | eye_c, torch.zeros(n, width, num_queries, dtype=torch.bool,
+                                                       device=content_valid.device)], dim=2)
+    bottom = torch.cat([query_rows, eye_q], dim=2)
+    return torch.cat([top, bottom], dim=1)

@@ -1,0 +1,236 @@
+"""``sequential`` and ``fef`` on a two-stream model (``Capabilities.reveal_order_cache``): cached and one-pass.
+
+The model (dllm/models/two_stream.py) keeps revealed tokens in a content stream, in reveal order, whose
+keys/values are cached; masked positions are read by queries that see a prefix of it. One round, per row
+(shapes for R active rows, window W; ``sequential`` is the round with W = 0 and no lookahead):
+
+1. window: the next W positions ``s`` in ``order`` among those with draft logits (from earlier queries);
+2. drafts: ``d_j ~ softmax(draft_logits[s_j] / T)``, independently;
+3. ONE call: content = [tokens emitted last round (the prompt at first), d_0..d_{W-1}], causal among
+   themselves and appended to the cache; copy k's queries see the cache, the pending tokens and d_<k:
+   at the next position in ``order`` (left_to_right) or at every masked position of the block
+   (confidence, whose pick needs them all). Plus lookahead queries seeing all drafts: the next round's
+   draft logits beyond the window. Copy k's queries are exactly the call ``sequential`` makes after
+   revealing d_<k, so copy k must pick s_k (as in samplers/fef.py); the first that does not ends the
+   drafts and its pick is the bonus position;
+4. ``rejection_sample`` (samplers/verify.py) accepts while u < target/draft, then one correction or bonus;
+5. reveal; accepted drafts stay in the cache, rejected ones are dropped, the correction is pending.
+
+Exact by construction for every order, temperature and block length: the emitted tokens follow the chain
+of query conditionals of ``sequential`` on this model. Draft logits at a position are the latest query
+there, preferring one that saw exactly the accepted drafts (a valid proposal either way: the test uses
+the very probabilities the drafts were drawn from). fef's ``draft`` option changes nothing here: both
+``marginal`` and ``stale`` take these query logits, which cost no call of their own. ``cache`` may be
+``auto`` or ``none``: the reveal-order cache is exact, so both give the same law. Limit: the draft-logit
+buffer is [B, L, V] float32, fine at this vocabulary, large at a real one (to chunk for LLaDA-size V).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dllm.counting import CountingModel
+from dllm.numerics import bind_rows, forbid_token, positions_from_mask
+from dllm.stats import DecodeStats, StepEvent
+
+from .canvas import Canvas
+from .drafters import independent_drafts
+from .order import choose_window, top1_probability
+from .verify import Noise, rejection_sample
+
+
+class _Decoding:
+    """Canvas, cache and per-row state of one two-stream decode."""
+
+    def __init__(self, model, prompt, gen_length, block_length, mask, eos_token_id):
+        self.model, self.mask_id = model, model.mask_token_id
+        self.canvas = Canvas.start(prompt, gen_length, block_length, self.mask_id, eos_token_id)
+        batch, length = self.canvas.x.shape
+        real = torch.ones_like(self.canvas.x, dtype=torch.bool)
+        if mask is not None:
+            real[:, : prompt.shape[1]] = mask.bool()
+        self.positions = positions_from_mask(real)  # [B, L] rotary positions of canvas columns
+        self.cache = model.new_cache(batch)
+        p = prompt.shape[1]
+        # The pending content: the prompt before the first round, then each row's last correction token.
+        self.pending = (self.canvas.x[:, :p].clone(), self.positions[:, :p].clone(), real[:, :p].clone())
+        self.draft_logits: torch.Tensor | None = None  # [B, L, V] latest query logits per column
+        self.have = torch.zeros((batch, length), dtype=torch.bool, device=prompt.device)
+
+
+def decode(model, prompt, gen_length, *, temperature, generator, stats: DecodeStats, order: str, window: int,
+           block_length: int, cache: str = "auto", attention_mask=None, eos_token_id=None, callback=None,
+           sampler: str = "sequential") -> torch.Tensor:
+    """Decode ``gen_length`` tokens after ``prompt`` [B, P] -> [B, P + N]; window 0 is ``sequential``."""
+    if cache not in ("auto", "none"):
+        raise ValueError(f"cache={cache!r}: a two-stream model decodes with its own exact reveal-order cache; "
+                         "use cache='auto'")
+    state = _Decoding(CountingModel(model, stats.record), prompt, gen_length, block_length, attention_mask,
+                      eos_token_id)
+    canvas = state.canvas
+    for block in range(canvas.num_blocks):
+        state.cache.compact()
+        start, end = canvas.span(block)
+        in_block = torch.zeros(canvas.x.shape[1], dtype=torch.bool, device=prompt.device)
+        in_block[start:end] = True
+        while (rows := canvas.rows_in_block(block)).numel():
+            info = two_stream_round(state, rows, in_block, temperature, bind_rows(generator, rows), stats,
+                                    order=order, window=window)
+            canvas.stop_at_eos(rows)
+            if callback is not None:
+                callback(StepEvent(sampler=sampler, rows=rows, x=canvas.x[rows], **info))
+    return canvas.x
+
+
+def two_stream_round(state: _Decoding, rows, in_block, temperature, generator, stats: DecodeStats, *,
+                     order: str, window: int) -> dict:
+    """One draft-verify-reveal round (or one sequential step) for ``rows`` [R]; see the module docstring."""
+    x, mask_id = state.canvas.x[rows], state.mask_id
+    n = rows.numel()
+    index = torch.arange(n, device=x.device)
+    candidates = (x == mask_id) & in_block[None, :]  # [R, L]
+    positions, count, drafts, window_logits = _drafts(state, rows, candidates, temperature, generator, order, window)
+    width = positions.shape[1]
+
+    ids, pos, valid = state.pending
+    ids, pos, valid = ids[rows], pos[rows], valid[rows]
+    k_pending = ids.shape[1]
+    content_ids = torch.cat([ids, drafts], dim=1)
+    content_pos = torch.cat([pos, state.positions[rows].gather(1, positions)], dim=1)
+    content_valid = torch.cat([valid, torch.arange(width, device=x.device)[None, :] < count[:, None]], dim=1)
+    q_col, q_copy, q_valid = _queries(x, candidates, positions, count, order, window, mask_id)
+    sees = k_pending + torch.minimum(q_copy, count[:, None])  # lookahead (copy W + 1) sees every valid draft
+    logits = state.model.streams(content_ids, content_pos, content_valid, state.positions[rows].gather(1, q_col),
+                                 sees, cache=state.cache, rows=rows, append=True)  # [R, Q, V], counted once
+    logits = forbid_token(logits, mask_id)
+
+    # Each copy's pick: the position sequential reveals next after d_<k, from that copy's own queries.
+    if order == "left_to_right":
+        score = -q_col.float()
+    else:
+        score = top1_probability(logits)
+    copies = torch.arange(width + 1, device=x.device)
+    mine = (q_copy[:, None, :] == copies[None, :, None]) & q_valid[:, None, :]  # [R, W + 1, Q]
+    scores = torch.where(mine, score[:, None, :], float("-inf"))
+    slot = scores.argmax(dim=2)  # first maximum: queries are in position order, so ties go leftmost
+    picks = torch.where(mine.any(dim=2), q_col.gather(1, slot), -1)  # [R, W + 1]
+    num_drafts = torch.zeros_like(count)
+    if width:
+        agree = (picks[:, :width] == positions) | (torch.arange(width, device=x.device) >= count[:, None])
+        num_drafts = torch.minimum(count, (~agree).long().argmax(dim=1) + agree.all(dim=1).long() * width)
+    has_bonus = picks[index, num_drafts] >= 0
+    target_logits = logits[index[:, None], slot]  # [R, W + 1, V]: copy k at its pick (= s_k while k < num_drafts)
+    outcome = rejection_sample(drafts, window_logits, target_logits, num_drafts, temperature=temperature,
+                               has_bonus=has_bonus, noise=Noise(generator=generator))
+    if window:
+        stats.count_verification(num_drafts, outcome.num_accepted, outcome.num_emitted)
+    else:
+        stats.count_round(outcome.num_emitted)
+
+    emitted = torch.where(outcome.tokens >= 0, picks, -1)  # [R, W + 1] canvas columns
+    hit = emitted >= 0
+    new_x = x.clone()
+    new_x[index[:, None].expand_as(hit)[hit], emitted[hit]] = outcome.tokens[hit]
+    state.canvas.x[rows] = new_x
+    keep = torch.arange(width, device=x.device)[None, :] < outcome.num_accepted[:, None]
+    state.cache.keep(rows, torch.cat([valid, keep], dim=1))
+    _set_pending(state, rows, outcome, emitted)
+    if window:
+        _store_drafts(state, rows, logits, q_col, q_copy, q_valid, outcome.num_accepted, count)
+    info = {"revealed": emitted}
+    if window:
+        info.update(window=positions, drafts=drafts, num_drafts=num_drafts, num_accepted=outcome.num_accepted)
+    return info
+
+
+def _drafts(state, rows, candidates, temperature, generator, order, window):
+    """Window positions [R, W], counts [R], drafts [R, W] and the logits they were drawn from [R, W, V]."""
+    n = rows.numel()
+    if not window or state.draft_logits is None:
+        empty = torch.zeros((n, 0), dtype=torch.long, device=rows.device)
+        vocab = state.model.vocab_size
+        return empty, torch.zeros(n, dtype=torch.long, device=rows.device), empty, torch.zeros((n, 0, vocab), device=rows.device)
+    draft_logits = state.draft_logits[rows]
+    positions, count = choose_window(order, draft_logits, candidates & state.have[rows], state.mask_id, window)
+    index = torch.arange(n, device=rows.device)
+    drafts, window_logits = independent_drafts(draft_logits[index[:, None], positions], state.mask_id,
+                                               temperature, generator)
+    return positions, count, drafts, window_logits
+
+
+def _queries(x, candidates, positions, count, order, window, mask_id):
+    """Query columns [R, Q], their copy [R, Q] (W + 1: lookahead) and validity [R, Q], in (copy, column) order.
+
+    Copy k (k <= count) asks the block's candidates left after s_<k: all of them for confidence, the
+    leftmost for left_to_right. Lookahead (window > 0) asks the next ``window`` masked columns in position
+    order that no copy asks (for confidence, only once the block can finish this round).
+    """
+    n, length = x.shape
+    width = positions.shape[1]
+    cols = torch.arange(length, device=x.device)
+    drafted = torch.zeros((n, width + 1, length), dtype=torch.bool, device=x.device)
+    for k in range(1, width + 1):  # copy k has s_0..s_{k-1} revealed
+        hit = torch.zeros((n, length), dtype=torch.bool, device=x.device)
+        hit[torch.arange(n, device=x.device), positions[:, k - 1]] = True
+        drafted[:, k] = drafted[:, k - 1] | (hit & (k - 1 < count)[:, None])
+    asked = candidates[:, None, :] & ~drafted  # [R, W + 1, L]
+    asked &= (torch.arange(width + 1, device=x.device)[None, :] <= count[:, None])[:, :, None]
+    if order == "left_to_right":  # only the leftmost candidate of each copy
+        first = torch.where(asked, cols, length).min(dim=2, keepdim=True).values
+        asked &= cols[None, None, :] == first
+    lookahead = torch.zeros((n, 1, length), dtype=torch.bool, device=x.device)
+    if window:
+        free = (x == mask_id) & ~asked.any(dim=1) & ~drafted[:, -1]
+        if order == "left_to_right":
+            after = torch.where(asked.any(dim=1) | drafted[:, -1], cols, -1).max(dim=1, keepdim=True).values
+            free &= cols[None, :] > after
+        else:
+            free &= ~candidates & (candidates.sum(dim=1, keepdim=True) <= count[:, None] + 1)
+        rank = free.long().cumsum(dim=1)
+        lookahead[:, 0] = free & (rank <= window)
+    asked = torch.cat([asked, lookahead], dim=1)  # [R, W + 2, L]
+    r, k, c = asked.nonzero(as_tuple=True)
+    per_row = asked.flatten(1).sum(dim=1)
+    size = max(int(per_row.max()), 1)
+    slot = torch.arange(r.numel(), device=x.device) - (per_row.cumsum(0) - per_row)[r]
+    q_col = torch.zeros((n, size), dtype=torch.long, device=x.device)
+    q_copy = torch.full((n, size), -1, dtype=torch.long, device=x.device)
+    q_valid = torch.zeros((n, size), dtype=torch.bool, device=x.device)
+    q_col[r, slot], q_copy[r, slot], q_valid[r, slot] = c, k, True
+    return q_col, q_copy, q_valid
+
+
+def _set_pending(state: _Decoding, rows, outcome, emitted) -> None:
+    """The correction/bonus token of each row (at index num_accepted), to enter the content stream next."""
+    ids, pos, valid = state.pending
+    batch = state.canvas.x.shape[0]
+    if ids.shape[1] != 1:  # the prompt was pending: every row takes part in the first round
+        if rows.numel() != batch:
+            raise RuntimeError("two-stream decoding: the first round must include every row")
+        ids, pos, valid = (ids[:, :1].clone(), pos[:, :1].clone(),
+                           torch.zeros((batch, 1), dtype=torch.bool, device=ids.device))
+    index = torch.arange(rows.numel(), device=rows.device)
+    token = outcome.tokens[index, outcome.num_accepted]
+    column = emitted[index, outcome.num_accepted]
+    has = column >= 0
+    ids[rows, 0] = torch.where(has, token, state.mask_id)
+    pos[rows, 0] = state.positions[rows].gather(1, column.clamp(min=0)[:, None])[:, 0]
+    valid[rows, 0] = has
+    state.pending = (ids, pos, valid)
+
+
+def _store_drafts(state, rows, logits, q_col, q_copy, q_valid, num_accepted, count) -> None:
+    """Keep, per column, the query that saw exactly the accepted drafts, else the one that saw the most."""
+    if state.draft_logits is None:
+        batch, length = state.canvas.x.shape
+        state.draft_logits = torch.zeros((batch, length, logits.shape[-1]), dtype=logits.dtype, device=logits.device)
+    seen = torch.minimum(q_copy, count[:, None])
+    size = q_col.shape[1]
+    priority = ((seen == num_accepted[:, None]).long() * (size + 2) + seen) * size
+    priority = priority + torch.arange(size, device=q_col.device)  # ties: the later query
+    same = (q_col[:, :, None] == q_col[:, None, :]) & q_valid[:, :, None] & q_valid[:, None, :]
+    rival = torch.where(same, priority[:, None, :], -1).max(dim=2).values
+    best = q_valid & (priority == rival)
+    r, q = best.nonzero(as_tuple=True)
+    state.draft_logits[rows[r], q_col[r, q]] = logits[r, q]
+    state.have[rows[r], q_col[r, q]] = True

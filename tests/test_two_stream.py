@@ -1,0 +1,278 @@
+"""The two-stream layout (dllm/models/two_stream.py) and its samplers (samplers/two_stream.py).
+
+The ground truth is the law enumerated from the layout's own definition (uncached calls, one per decision
+state): the product of query conditionals in the order the sampler's rule reveals positions.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import dllm
+from dllm.models.transformer import TransformerConfig, TransformerLM
+from dllm.models.two_stream import TwoStreamLM
+from dllm.numerics import forbid_token
+from dllm.samplers.order import top1_probability
+from dllm.training.batches import Example
+from dllm.training.prefix import build_stream_batch, stream_loss
+
+from stat_tools import ALPHA, chi_square_pvalue
+
+VOCAB, MASK = 5, 4  # tokens 0..3, the mask token 4
+PROMPT = torch.tensor([1, 3, 0])
+
+
+@pytest.fixture(scope="module")
+def model() -> TwoStreamLM:
+    """A small random two-stream model with sharp, strongly context-dependent conditionals."""
+    torch.manual_seed(0)
+    config = TransformerConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=2, max_seq_len=64,
+                               layout="bidirectional", mask_token_id=MASK)
+    base = TransformerLM(config)
+    with torch.no_grad():
+        for p in base.parameters():
+            if p.dim() >= 2:
+                p.mul_(12.0)
+    return TwoStreamLM(base, block_size=2).eval()
+
+
+def enumerated_law(model, prompt, gen_length, temperature, order, block_length):
+    """{answer: probability} of the chain, by brute force over reveal sequences (uncached calls)."""
+    p = prompt.numel()
+    cols = torch.arange(p + gen_length)
+    # A state: the canvas and the reveal order (content ids/positions in that order).
+    canvas = torch.cat([prompt, torch.full((gen_length,), MASK)])[None]
+    content, content_pos = prompt[None].clone(), torch.arange(p)[None]
+    probs = torch.ones(1, dtype=torch.float64)
+    for _ in range(gen_length):
+        n = canvas.shape[0]
+        query_pos = cols[p:].expand(n, -1)
+        sees = torch.full_like(query_pos, content.shape[1])
+        with torch.no_grad():
+            logits = model.streams(content, content_pos, torch.ones_like(content, dtype=torch.bool), query_pos, sees)
+        logits = forbid_token(logits, MASK)
+        masked = canvas[:, p:] == MASK
+        block = torch.div(cols[p:] - p, block_length, rounding_mode="floor")
+        active = torch.where(masked, block, 10**6).min(dim=1).values
+        candidates = masked & (block[None] == active[:, None])
+        if order == "left_to_right":
+            score = -cols[p:].float().expand(n, -1)
+        else:
+            score = top1_probability(logits)
+        pick = torch.where(candidates, score, float("-inf")).argmax(dim=1)  # [n] answer offsets
+        chosen = logits[torch.arange(n), pick]
+        if temperature == 0:
+            step = torch.zeros_like(chosen, dtype=torch.float64).scatter_(1, chosen.argmax(-1, keepdim=True), 1.0)
+        else:
+            step = torch.softmax(chosen.double() / temperature, dim=-1)
+        parent, token = (step > 0).nonzero(as_tuple=True)
+        canvas = canvas[parent].clone()
+        canvas[torch.arange(parent.numel()), p + pick[parent]] = token
+        content = torch.cat([content[parent], token[:, None]], dim=1)
+        content_pos = torch.cat([content_pos[parent], (p + pick[parent])[:, None]], dim=1)
+        probs = probs[parent] * step[parent, token]
+    law: dict[tuple[int, ...], float] = {}
+    for answer, prob in zip(canvas[:, p:].tolist(), probs.tolist()):
+        law[tuple(answer)] = law.get(tuple(answer), 0.0) + prob
+    return law
+
+
+def _sample(model, sampler, n, temperature, order, block_length, seed=0, **options):
+    prompt = PROMPT[None].expand(n, -1)
+    if order is not None:
+        options["order"] = order
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        out = dllm.generate(model, prompt, sampler=sampler, max_new_tokens=4, temperature=temperature,
+                            generator=generator, eos_token_id=None, block_length=block_length, **options)
+    return out
+
+
+def test_cached_logits_equal_uncached_recomputation(model):
+    """Content appended one token per call (the cache) gives the logits of one uncached call."""
+    ids = torch.tensor([[1, 3, 0, 2, 1, 0, 3]])
+    pos = torch.tensor([[0, 1, 2, 5, 3, 6, 4]])  # reveal order differs from position order
+    query = torch.tensor([[7, 8, 4]])
+    ones = torch.ones_like(ids, dtype=torch.bool)
+    with torch.no_grad():
+        cache = model.new_cache(1)
+        for i in range(ids.shape[1]):
+            cached = model.streams(ids[:, i:i + 1], pos[:, i:i + 1], ones[:, :1], query, torch.ones_like(query),
+                                   cache=cache, append=True)
+            full = model.streams(ids[:, :i + 1], pos[:, :i + 1], ones[:, :i + 1], query,
+                                 torch.full_like(query, i + 1))
+            assert torch.allclose(forbid_token(cached, MASK)[..., :MASK], full[..., :MASK], atol=1e-5)
+
+
+def test_rejected_content_is_forgotten(model):
+    """Entries dropped by ``keep`` are attended by no one: logits as if they were never appended."""
+    with torch.no_grad():
+        cache = model.new_cache(1)
+        ones = torch.ones(1, 3, dtype=torch.bool)
+        query = torch.tensor([[6]])
+        model.streams(PROMPT[None], torch.arange(3)[None], ones, query, torch.ones_like(query), cache=cache,
+                      append=True)
+        model.streams(torch.tensor([[2, 1]]), torch.tensor([[3, 4]]), ones[:, :2], query, torch.ones_like(query),
+                      cache=cache, append=True)
+        cache.keep(torch.tensor([0]), torch.tensor([[True, False]]))
+        after = model.streams(torch.tensor([[0]]), torch.tensor([[5]]), ones[:, :1], query, torch.ones_like(query),
+                              cache=cache)
+        full = model.streams(torch.tensor([[1, 3, 0, 2, 0]]), torch.tensor([[0, 1, 2, 3, 5]]), ones.new_ones(1, 5),
+                             query, torch.full_like(query, 5))
+    assert torch.allclose(after[..., :MASK], full[..., :MASK], atol=1e-5)
+
+
+def test_the_law_depends_on_the_reveal_order(model):
+    """Confidence order's chain differs from left-to-right's: the enumeration tells them apart."""
+    a = enumerated_law(model, PROMPT, 4, 1.0, "left_to_right", 2)
+    b = enumerated_law(model, PROMPT, 4, 1.0, "confidence", 2)
+    assert abs(sum(a.values()) - 1) < 1e-9 and abs(sum(b.values()) - 1) < 1e-9
+    assert max(abs(a.get(k, 0) - b.get(k, 0)) for k in set(a) | set(b)) > 0.01
+
+
+@pytest.mark.parametrize("sampler,options", [("sequential", {}), ("fef", {"window": 2}), ("fef", {"window": 4})])
+@pytest.mark.parametrize("order", ["left_to_right", "confidence"])
+@pytest.mark.parametrize("temperature,block_length", [(1.0, 2), (0.7, 4), (1.0, 4)])
+def test_samplers_are_exact(model, sampler, options, order, temperature, block_length):
+    law = enumerated_law(model, PROMPT, 4, temperature, order, block_length)
+    out = _sample(model, sampler, 3000, temperature, order, block_length, **options)
+    assert out.exact
+    assert chi_square_pvalue(out.sequences[:, 3:], law) > ALPHA
+
+
+def test_factorized_parallel_unmasking_fails(model):
+    """The test has power: llada revealing a whole block from its marginals is not the chain."""
+    law = enumerated_law(model, PROMPT, 4, 1.0, "left_to_right", 4)
+    out = _sample(model, "llada", 3000, 1.0, None, 4, steps=1)
+    assert chi_square_pvalue(out.sequences[:, 3:], law) < ALPHA
+
+
+@pytest.mark.parametrize("order", ["left_to_right", "confidence"])
+@pytest.mark.parametrize("window,block_length", [(1, 2), (3, 4), (4, 2)])
+def test_greedy_fef_equals_greedy_sequential(model, order, window, block_length):
+    prompts = torch.tensor([[1, 3, 0], [2, 2, 1], [0, 1, 3], [3, 3, 3]])
+    runs = []
+    for sampler, options in (("sequential", {}), ("fef", {"window": window})):
+        with torch.no_grad():
+            runs.append(dllm.generate(model, prompts, sampler=sampler, max_new_tokens=8, temperature=0,
+                                      eos_token_id=None, order=order, block_length=block_length, **options))
+    assert torch.equal(runs[0].sequences, runs[1].sequences)
+    law = enumerated_law(model, prompts[0], 8, 0, order, block_length)
+    assert law == {tuple(runs[0].sequences[0, 3:].tolist()): 1.0}
+
+
+def test_sequential_costs_two_tokens_per_step(model):
+    """left_to_right sequential: one call per token, one content token and one query each (the prompt
+    rides along the first call)."""
+    out = _sample(model, "sequential", 1, 1.0, "left_to_right", 4)
+    assert out.stats.nfe == 4 and out.stats.forward_tokens == (3 + 1) + 3 * 2
+
+
+def test_training_loss_is_the_chain_log_likelihood(model):
+    """One training pass scores every region token exactly as the cached chain does in that order."""
+    example = Example(prompt=(1, 3, 0), region=(2, 0, 1, 3), answer_tokens=4)
+    generator = torch.Generator().manual_seed(3)
+    batch = build_stream_batch([example], pad_id=0, block_size=2, generator=generator, in_order_prob=0.0)
+    with torch.no_grad():
+        loss = float(stream_loss(model, batch, "fp32", torch.device("cpu")))
+    order = (batch.query_pos[0] - 3).tolist()
+    assert sorted(order[:2]) == [0, 1] and sorted(order[2:]) == [2, 3]  # blocks left to right
+    total = 0.0
+    with torch.no_grad():
+        cache = model.new_cache(1)
+        pending, pending_pos = torch.tensor([[1, 3, 0]]), torch.arange(3)[None]
+        for offset in order:
+            query = torch.tensor([[3 + offset]])
+            logits = model.streams(pending, pending_pos, torch.ones_like(pending, dtype=torch.bool), query,
+                                   torch.full_like(query, pending.shape[1]), cache=cache, append=True)
+            token = example.region[offset]
+            total -= float(torch.log_softmax(logits[0, 0], dim=-1)[token])
+            pending, pending_pos = torch.tensor([[token]]), query
+    assert abs(loss - total) < 1e-4
+
+
+def test_prefix_conditioned_recipe_trains_and_ships_a_two_stream_folder(tmp_path):
+    """``dllm train --recipe prefix-conditioned`` runs end to end and saves a folder dllm.load reads."""
+    from dllm.train import main
+    from dllm.training.recipes import RECIPES
+
+    assert RECIPES["prefix-conditioned"] == "dllm.training.prefix"
+    shipped = Path(__file__).resolve().parents[1] / "dllm" / "weights" / "diffusion"
+    init = tmp_path / "init"
+    torch.manual_seed(0)
+    tiny = TransformerLM(TransformerConfig(vocab_size=495, dim=32, n_layers=1, n_heads=2, max_seq_len=256,
+                                           layout="block_causal", block_size=8, mask_token_id=2, eos_token_id=1,
+                                           pad_token_id=0))
+    tiny.save_pretrained(init)
+    (init / "tokenizer.json").write_bytes((shipped / "tokenizer.json").read_bytes())
+    out = tmp_path / "run"
+    settings = ["train.steps=2", "train.batch_size=4", "train.micro_batch_size=2", "train.log_every=1",
+                "train.eval_every=2", "train.eval_problems=2", "train.warmup_steps=1"]
+    config = Path(__file__).resolve().parents[1] / "configs" / "prefix_conditioned.toml"
+    args = ["--recipe", "prefix-conditioned", "--config", str(config), "--init", str(init), "--output", str(out)]
+    assert main(args + [a for s in settings for a in ("--set", s)]) == 0
+    loaded = dllm.load(out / "model")
+    assert isinstance(loaded, TwoStreamLM) and loaded.capabilities.one_pass_exact and loaded.block_size == 8
+    assert not torch.equal(loaded.base.layers[0].attn.wqkv.weight, tiny.layers[0].attn.wqkv.weight)
+
+
+def test_recipe_settings_are_checked_by_name(tmp_path):
+    from dllm.training.prefix import PrefixConfig, read_config
+
+    with pytest.raises(ValueError, match="prefix.left_to_right_prob"):
+        PrefixConfig(left_to_right_prob=2)
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[prefix]\nblok_size = 8\n")
+    with pytest.raises(ValueError, match="unknown \\[prefix\\] keys \\['blok_size'\\]"):
+        read_config(str(bad), [])
+
+
+def test_block_cache_option_is_refused_by_name(model):
+    with pytest.raises(ValueError, match="cache='block'"):
+        _sample(model, "fef", 1, 1.0, "left_to_right", 2, window=2, cache="block")
+
+
+@pytest.mark.parametrize("sampler,options", [("sequential", {}), ("fef", {"window": 3})])
+def test_ragged_batch_equals_rows_alone(model, sampler, options):
+    """Left padding, EOS stops and rows finishing at different rounds change no row's greedy answer."""
+    prompts = [[1, 3, 0], [2, 1], [0, 1, 3, 3], [3]]
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    common = dict(sampler=sampler, max_new_tokens=8, temperature=0, eos_token_id=0, order="confidence",
+                  block_length=4, **options)
+    with torch.no_grad():
+        batch = dllm.generate(model, ids, attention_mask=mask, **common).sequences[:, width:]
+        for row, prompt in enumerate(prompts):
+            alone = dllm.generate(model, torch.tensor([prompt]), **common).sequences[0, len(prompt):]
+            assert torch.equal(batch[row], alone)
+
+
+def test_position_order_enumeration_refuses_a_reveal_order_chain(model):
+    from dllm.samplers import sequential_distribution
+
+    # Left to right, position order is the reveal order: the same law, up to float32 logits.
+    assert sequential_distribution(model, PROMPT, 3, order="left_to_right", block_length=3) == pytest.approx(
+        enumerated_law(model, PROMPT, 3, 1.0, "left_to_right", 3), abs=1e-6)
+    with pytest.raises(ValueError, match="reveal order"):
+        sequential_distribution(model, PROMPT, 3, order="confidence")
+
+
+SHIPPED = Path(dllm.__file__).parent / "weights" / "two_stream"
+
+
+@pytest.mark.skipif(not (SHIPPED / "model.safetensors").exists(), reason="shipped weights not present")
+def test_shipped_two_stream_model_greedy_fef_is_sequential():
+    from dllm.data.synthetic import format_example, heldout_set
+
+    shipped = dllm.load(SHIPPED)
+    assert isinstance(shipped, TwoStreamLM) and shipped.capabilities.one_pass_exact
+    tokenizer = shipped.tokenizer
+    for problem in heldout_set()[:3]:
+        prompt = torch.tensor([tokenizer(format_example(problem["question"]), add_special_tokens=False)["input_ids"]])
+        runs = [dllm.generate(shipped, prompt, sampler=s, max_new_tokens=32, temperature=0, **o)
+                for s, o in (("sequential", {}), ("fef", {"window": 4}), ("fef", {"window": 4, "block_length": 32}))]
+        assert runs[1].exact and all(torch.equal(runs[0].sequences, r.sequences) for r in runs[1:])
