@@ -273,7 +273,7 @@ def _check_verifier(values: dict[str, Any], model) -> None:
                          f"{type(model).__name__} has none (use verifier='copies')")
     if values["order"] != "left_to_right":
         raise ValueError("verifier='structured' supports order='left_to_right' only")
-    if values.get("cache") in ("prefix", "dual"):
+    if not session_exact(cache=values["cache"]):  # an approximate (prefix or dual) cache
         raise ValueError("verifier='structured' runs with cache='auto', 'none' or 'block'")
 
 
