@@ -44,12 +44,12 @@ def run(
 
 # Each sampler's stepper from its options; the defaults are written once, on the configs in
 # samplers/registry.py, and generate passes every option.
-def _sequential(temperature, generator, stats, blocks, block_length, *, order) -> SequentialStepper:
-    return SequentialStepper(temperature, generator, stats, order)
-
-
-def _fef(temperature, generator, stats, blocks, block_length, *, order, window, draft, verifier) -> FefStepper:
-    return FefStepper(temperature, generator, stats, order, window, draft, verifier)
+def _stepper(cls):
+    """A stepper whose fields after (temperature, generator, stats) are the sampler's options, named alike
+    (so a new option on the config reaches the stepper by its name)."""
+    def make(temperature, generator, stats, blocks, block_length, **options):
+        return cls(temperature, generator, stats, **options)
+    return make
 
 
 def _llada(temperature, generator, stats, blocks, block_length, *, steps, remasking, cfg_scale) -> LladaStepper:
@@ -60,18 +60,10 @@ def _dream(temperature, generator, stats, blocks, block_length, *, steps, alg, a
     return DreamStepper(temperature, generator, stats, steps // blocks, alg, alg_temp, top_p, top_k)
 
 
-def _fast_dllm(temperature, generator, stats, blocks, block_length, *, threshold, factor) -> FastDllmStepper:
-    return FastDllmStepper(temperature, generator, stats, threshold, factor)
-
-
-def _eb(temperature, generator, stats, blocks, block_length, *, gamma) -> EbStepper:
-    return EbStepper(temperature, generator, stats, gamma)
-
-
 # The registry's run functions: ``run`` with the sampler's stepper bound (a partial adds no call frame).
-sequential = functools.partial(run, _sequential)
-fef = functools.partial(run, _fef)
+sequential = functools.partial(run, _stepper(SequentialStepper))
+fef = functools.partial(run, _stepper(FefStepper))
 llada = functools.partial(run, _llada)
 dream = functools.partial(run, _dream)
-fast_dllm = functools.partial(run, _fast_dllm)
-eb = functools.partial(run, _eb)
+fast_dllm = functools.partial(run, _stepper(FastDllmStepper))
+eb = functools.partial(run, _stepper(EbStepper))
