@@ -114,8 +114,8 @@ class Caller:
 
     def count(self, input_ids: torch.Tensor, served: int | None, cache=None, tokens: int | None = None) -> None:
         """Record one call on ``input_ids`` [N, n] serving ``served`` sequences, reading ``cache``'s keys."""
-        self.stats.record(Call(input_ids.shape[0], tokens or input_ids.shape[1], cache.length if cache is not None
-                               else 0, self.draft, served))
+        context = cache.length if cache is not None else 0
+        self.stats.record(Call(input_ids.shape[0], tokens or input_ids.shape[1], context, self.draft, served))
 
     def __call__(self, input_ids: torch.Tensor, rows: torch.Tensor, served: int, **extra) -> torch.Tensor:
         """Plain call on full-length inputs [N, L] of canvas rows ``rows`` [N], serving ``served`` rows."""
