@@ -195,6 +195,12 @@ def padding_refusal(model: object) -> str:
     return f"{name} cannot honour left padding (its accepts_attention_mask is False" + (f": {note})" if note else ")")
 
 
+def rolls_back(cache: object) -> bool:
+    """Whether a cache object can roll back rejected drafts: its declared ``croppable`` (default True; a
+    property of the cache, which may depend on its layers, so read off the cache, here only)."""
+    return bool(getattr(cache, "croppable", True))
+
+
 def has_cache(model: object) -> bool:
     return capabilities(model).cache
 

@@ -42,7 +42,8 @@ class DecodeStats:
     - ``acceptance_per_position[j]``: among rounds that proposed a draft at window index j, the
       fraction in which it was accepted. Acceptance stops at the first rejection, so this is the
       probability that drafts 0..j were all accepted, given that j was proposed.
-    - ``tokens_per_call``: ``new_tokens / nfe``.
+    - ``tokens_per_call``: ``new_tokens / nfe``; ``acceptance_rate``: ``accepted / drafted``;
+      ``tokens_per_second``: ``new_tokens / wall_time_s``.
     - acceptance against entropy (``EntropyAcceptance``, recorded only when passed as the callback): per
       draft the verification tested (up to and including a row's first rejection), the entropy in nats of
       the target's temperature-1 distribution at its position, and whether it was accepted.
@@ -97,30 +98,16 @@ class DecodeStats:
             self.drafted_per_position.extend([0] * missing)
             self.accepted_per_position.extend([0] * missing)
 
-    @property
-    def mean_acceptance_length(self) -> float:
-        return self.new_tokens / self.rounds if self.rounds else 0.0
-
-    @property
-    def acceptance_rate(self) -> float:
-        """Accepted over drafted tokens (0 when nothing was drafted)."""
-        return self.accepted / self.drafted if self.drafted else 0.0
+    # Rates of two counters, each defined in the docstring above; 0 when the whole is 0 (nothing drafted, ...).
+    mean_acceptance_length = property(lambda self: _ratio(self.new_tokens, self.rounds))
+    acceptance_rate = property(lambda self: _ratio(self.accepted, self.drafted))
+    tokens_per_call = property(lambda self: _ratio(self.new_tokens, self.nfe))
+    tokens_per_row_call = property(lambda self: _ratio(self.new_tokens, self.row_calls))
+    tokens_per_second = property(lambda self: _ratio(self.new_tokens, self.wall_time_s))
 
     @property
     def acceptance_per_position(self) -> list[float]:
-        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
-
-    @property
-    def tokens_per_call(self) -> float:
-        return self.new_tokens / self.nfe if self.nfe else 0.0
-
-    @property
-    def tokens_per_row_call(self) -> float:
-        return self.new_tokens / self.row_calls if self.row_calls else 0.0
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.new_tokens / self.wall_time_s if self.wall_time_s > 0 else 0.0
+        return [_ratio(a, d) for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
 
     def __add__(self, other: DecodeStats) -> DecodeStats:
         """Sum two runs' counters (e.g. batches of one evaluation)."""
@@ -187,6 +174,11 @@ class StepEvent:
         if name not in self.__dataclass_fields__ or getattr(self, name) is None:
             raise KeyError(name)
         return getattr(self, name)
+
+
+def _ratio(part: float, whole: float) -> float:
+    """part / whole, 0 when there is no whole (nothing drafted, no call, no time): every rate's one rule."""
+    return part / whole if whole > 0 else 0.0
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ import warnings
 import torch
 
 from dllm.numerics import bind_rows, sample_from_logits
-from dllm.protocols import capabilities, has_cache, is_diffusion_model
+from dllm.protocols import capabilities, has_cache, is_diffusion_model, rolls_back
 from dllm.stats import DecodeStats, StepEvent
 from dllm.stops import emitted_until_stop, fill_token, is_stop
 
@@ -121,7 +121,7 @@ def _rollback_cache(model):
     """A new cache for speculative decoding, which rolls back rejected drafts every round; None (run
     uncached, same results) when the model's cache cannot roll back (sliding-window or linear layers)."""
     kv = model.new_cache()
-    if getattr(kv, "croppable", True):
+    if rolls_back(kv):
         return kv
     warnings.warn(f"{type(model).__name__}'s cache cannot roll back rejected drafts; ar_spec runs it uncached",
                   stacklevel=3)

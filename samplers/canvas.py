@@ -15,16 +15,18 @@ model on tokens shaped like the view (copies included). Three sessions:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 from dllm import stops
-from dllm.counting import CountingModel
+from dllm.counting import Call, structured_tokens
 from dllm.numerics import positions_from_mask
 from dllm.protocols import capabilities
-from dllm.stats import DecodeStats, StepEvent
+from dllm.stats import DecodeStats
 
 CACHE_MODES = ("auto", "none", "block", "prefix", "dual")
 
@@ -91,16 +93,15 @@ def block_candidates(x: torch.Tensor, block_ids: torch.Tensor, mask_token_id: in
 
 @dataclass
 class Caller:
-    """Counts and runs model calls, adding the per-row keyword arguments the model's capabilities need."""
+    """What every call of one model needs: the counter it reports to and the per-row keyword arguments its
+    capabilities take. Sessions call ``model`` themselves and ``count`` each call (``dllm.counting.Call``,
+    the one record every counter shares); ar and its drafters use ``__call__`` and ``cached``."""
 
     model: object
     stats: DecodeStats
     attention_mask: torch.Tensor | None = None  # [B, L_max] 0/1, left padding of ragged prompts
     block_offset: torch.Tensor | None = None  # [B] answer start in position-id coordinates
     draft: bool = False
-
-    def __post_init__(self):
-        self.counted = CountingModel(self.model, self.stats.record, self.draft)
 
     def kwargs(self, rows: torch.Tensor, keys: slice) -> dict:
         """Keyword arguments for inputs of ``rows`` [N] covering canvas key positions ``keys``."""
@@ -111,20 +112,22 @@ class Caller:
             out["block_offset"] = self.block_offset[rows]
         return out
 
-    def __call__(self, input_ids: torch.Tensor, rows: torch.Tensor, served: int, **extra) -> torch.Tensor:
-        """Plain call on full-length inputs [N, L] of canvas rows ``rows`` [N], serving ``served`` rows
-        (``return_hidden=True`` in ``extra``: a (logits, features) pair)."""
-        out = self.counted(input_ids, served=served, **self.kwargs(rows, slice(0, input_ids.shape[1])), **extra)
-        return check_logits(out, input_ids)
+    def count(self, input_ids: torch.Tensor, served: int | None, cache=None, tokens: int | None = None) -> None:
+        """Record one call on ``input_ids`` [N, n] serving ``served`` sequences, reading ``cache``'s keys."""
+        context = cache.length if cache is not None else 0
+        self.stats.record(Call(input_ids.shape[0], tokens or input_ids.shape[1], context, self.draft, served))
 
-    def structured(self, input_ids, batch_rows, keys: slice, *args, **extra):
-        """The model's ``structured_verify`` on R rows; counted as one call over state + 2W + 1 tokens."""
-        return self.counted.structured_verify(input_ids, *args, **self.kwargs(batch_rows, keys), **extra)
+    def __call__(self, input_ids: torch.Tensor, rows: torch.Tensor, served: int, **extra) -> torch.Tensor:
+        """Plain call on full-length inputs [N, L] of canvas rows ``rows`` [N], serving ``served`` rows."""
+        self.count(input_ids, served)
+        out = self.model(input_ids, **self.kwargs(rows, slice(0, input_ids.shape[1])), **extra)
+        return check_logits(out, input_ids)
 
     def cached(self, input_ids, cache, batch_rows, served: int, keys: slice, **extra) -> torch.Tensor:
         """``forward_cached`` on inputs [N, n] of canvas rows ``batch_rows`` [N]; ``keys`` are the canvas
         positions of cached + new keys; ``extra`` goes to forward_cached (rows=, append=)."""
-        out = self.counted.forward_cached(input_ids, cache, served=served, **self.kwargs(batch_rows, keys), **extra)
+        self.count(input_ids, served, cache)
+        out = self.model.forward_cached(input_ids, cache, **self.kwargs(batch_rows, keys), **extra)
         return check_logits(out, input_ids)
 
 
@@ -139,7 +142,15 @@ def check_logits(out, input_ids: torch.Tensor):
 
 @dataclass
 class View:
-    """What one step sees of R active rows: tokens, the active block inside them, and a model call."""
+    """What one step sees of R active rows: tokens, the active block inside them, and the model calls.
+
+    ``call(tokens [N, Ls], which [N], hidden=False)``: logits [N, Ls, V] of tokens shaped like the view,
+    ``which`` in 0..R-1 naming the view row each input belongs to (copies repeat it); ``hidden`` (a model
+    with ``Capabilities.hidden_states``): (logits, features [N, Ls, D]). ``structured(tokens, positions,
+    drafts, count, bonus)``: the model's one-pass window verification of every view row. Both are the
+    session's own methods with these rows bound (``functools.partial``: no frame between a step and the
+    session, which calls the model).
+    """
 
     x: torch.Tensor  # [R, Ls] tokens from canvas position ``offset`` on
     region: torch.Tensor  # [Ls] bool, the active block
@@ -148,24 +159,21 @@ class View:
     prompt_length: int  # prompt positions inside the view (0 when the view starts after the prompt)
     mask_token_id: int
     session: Session  # the one call path: every model call of a step goes through it
+    call: Callable[..., torch.Tensor] = field(init=False, repr=False)
+    structured: Callable[..., tuple] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.call = functools.partial(self.session.logits, rows=self.rows)
+        self.structured = functools.partial(self.session.structured, rows=self.rows)
 
     def candidates(self, tokens: torch.Tensor) -> torch.Tensor:
         """Masked positions of the active block in ``tokens`` [N, Ls] -> bool [N, Ls]."""
         return (tokens == self.mask_token_id) & self.region[None, :]
 
-    def call(self, tokens: torch.Tensor, which: torch.Tensor, hidden: bool = False):
-        """Logits [N, Ls, V] of ``tokens`` [N, Ls] shaped like the view; ``which`` [N] in 0..R-1 names the
-        view row each input belongs to (copies repeat it). ``hidden`` (a model with
-        ``Capabilities.hidden_states``): (logits, features [N, Ls, D])."""
-        return self.session.logits(tokens, self.rows[which], hidden)
-
-    def structured(self, tokens: torch.Tensor, *args):
-        """The model's one-pass window verification of every view row (``structured_verify``'s arguments)."""
-        return self.session.structured(tokens, self.rows, *args)
-
 
 class Session(Protocol):
     """How a step's model calls reach the model: which tokens the model sees, and through which cache.
+    A session counts each call (``Caller.count``) and calls the model itself.
 
     ``exact``: the logits equal those of the plain full-sequence call (up to floating point), so every
     exact sampler stays exact through this session.
@@ -177,14 +185,16 @@ class Session(Protocol):
 
     def view(self, rows: torch.Tensor) -> View: ...
 
-    def logits(self, tokens: torch.Tensor, rows: torch.Tensor, hidden: bool = False) -> torch.Tensor:
-        """Logits [N, Ls, V] of view-shaped ``tokens`` [N, Ls] of canvas rows ``rows`` [N] (repeats allowed);
-        ``hidden``: (logits, features [N, Ls, D])."""
+    def logits(self, tokens: torch.Tensor, which: torch.Tensor, hidden: bool = False, *, rows: torch.Tensor):
+        """Logits [N, Ls, V] of view-shaped ``tokens`` [N, Ls]; input i belongs to canvas row
+        ``rows[which[i]]`` (``rows`` [R] the view's rows); ``hidden``: (logits, features [N, Ls, D])."""
         ...
 
+    def structured(self, tokens: torch.Tensor, *args, rows: torch.Tensor) -> tuple: ...
 
-class FullSession:
-    """Every call sees the whole sequence."""
+
+class _Session:
+    """What every session shares: the canvas, the caller, and how its views are made."""
 
     exact = True
 
@@ -194,20 +204,39 @@ class FullSession:
     def begin_block(self, block: int) -> None:
         self.block = block
 
+    def _view(self, rows: torch.Tensor, start: int, stop: int, active: int, prompt_length: int = 0) -> View:
+        """The view of canvas positions [start, stop) of ``rows``; the first ``active`` of them are the block."""
+        region = torch.arange(stop - start, device=rows.device) < active
+        return View(self.canvas.x[rows, start:stop], region, rows, start, prompt_length, self.canvas.mask_token_id,
+                    self)
+
+    def structured(self, tokens, *args, rows):
+        raise ValueError("the structured verifier needs an exact view: cache='none' or 'block', not an "
+                         "approximate prefix or dual cache")
+
+
+class FullSession(_Session):
+    """Every call sees the whole sequence."""
+
     def view(self, rows: torch.Tensor) -> View:
         start, end = self.canvas.span(self.block)
-        length = self.canvas.x.shape[1]
-        region = (torch.arange(length, device=rows.device) >= start) & (torch.arange(length, device=rows.device) < end)
-        return View(self.canvas.x[rows], region, rows, 0, self.canvas.prompt_length, self.canvas.mask_token_id, self)
+        view = self._view(rows, 0, self.canvas.x.shape[1], end, self.canvas.prompt_length)
+        view.region[:start] = False
+        return view
 
-    def logits(self, tokens: torch.Tensor, rows: torch.Tensor, hidden: bool = False) -> torch.Tensor:
-        return self.caller(tokens, rows, served=_served(rows), **_hidden(hidden))
+    def logits(self, tokens: torch.Tensor, which: torch.Tensor, hidden: bool = False, *, rows: torch.Tensor):
+        rows = rows[which]
+        self.caller.count(tokens, _served(rows))
+        kwargs = self.caller.kwargs(rows, slice(0, tokens.shape[1]))
+        return check_logits(self.caller.model(tokens, **kwargs, **_hidden(hidden)), tokens)
 
-    def structured(self, tokens, rows, *args):
-        return self.caller.structured(tokens, rows, slice(0, self.canvas.x.shape[1]), *args)
+    def structured(self, tokens, *args, rows):
+        """The model's ``structured_verify`` on R rows; counted as one call over state + 2W + 1 tokens."""
+        self.caller.count(tokens, None, tokens=structured_tokens(tokens.shape[1], args[0].shape[1]))
+        return self.caller.model.structured_verify(tokens, *args, **self.caller.kwargs(rows, slice(0, tokens.shape[1])))
 
 
-class BlockCacheSession:
+class BlockCacheSession(_Session):
     """Prompt and finished blocks live in a KV cache; calls cover the active block only (exact for a
     model whose attention is causal across blocks).
 
@@ -216,10 +245,9 @@ class BlockCacheSession:
     them, so a new block needs no separate draft call).
     """
 
-    exact = True
-
     def __init__(self, canvas: Canvas, caller: Caller, lookahead: bool = False):
-        self.canvas, self.caller, self.lookahead = canvas, caller, lookahead
+        super().__init__(canvas, caller)
+        self.lookahead = lookahead
         self.cache = caller.model.new_cache()
         self.cached_until = 0  # canvas positions [0, cached_until) are in the cache
         # A model that can commit a shared prefix during a copies call lets the finished block ride along
@@ -237,9 +265,10 @@ class BlockCacheSession:
     def _fill(self, start: int) -> None:
         """Append canvas positions [cached_until, start) (the prompt, or a finished block) to the cache."""
         if start > self.cached_until:
-            rows = torch.arange(self.canvas.x.shape[0], device=self.canvas.x.device)
             chunk = self.canvas.x[:, self.cached_until : start]
-            self.caller.cached(chunk, self.cache, rows, served=len(rows), keys=slice(0, start), append=True)
+            self.caller.count(chunk, len(chunk), self.cache)
+            kwargs = self.caller.kwargs(torch.arange(len(chunk), device=chunk.device), slice(0, start))
+            check_logits(self.caller.model.forward_cached(chunk, self.cache, append=True, **kwargs), chunk)
             self.cached_until = start
 
     def _span(self) -> tuple[int, int, int]:
@@ -249,35 +278,38 @@ class BlockCacheSession:
 
     def view(self, rows: torch.Tensor) -> View:
         start, end, stop = self._span()
-        region = torch.arange(stop - start, device=rows.device) < end - start
-        return View(self.canvas.x[rows, start:stop], region, rows, start, 0, self.canvas.mask_token_id, self)
+        return self._view(rows, start, stop, end - start)
 
-    def logits(self, tokens: torch.Tensor, rows: torch.Tensor, hidden: bool = False) -> torch.Tensor:
+    def logits(self, tokens: torch.Tensor, which: torch.Tensor, hidden: bool = False, *, rows: torch.Tensor):
+        rows = rows[which]
         start, _, stop = self._span()
         pending = start - self.cached_until  # a finished block not yet in the cache: commit it now
         if pending:
             tokens = torch.cat([self.canvas.x[rows, self.cached_until : start], tokens], dim=1)
-        out = self.caller.cached(tokens, self.cache, rows, served=_served(rows), keys=slice(0, stop), rows=rows,
-                                 append=False, **({"commit": pending} if pending else {}), **_hidden(hidden))
+        self.caller.count(tokens, _served(rows), self.cache)
+        out = self.caller.model.forward_cached(tokens, self.cache, rows=rows, append=False,
+                                               **({"commit": pending} if pending else {}), **_hidden(hidden),
+                                               **self.caller.kwargs(rows, slice(0, stop)))
+        check_logits(out, tokens)
         self.cached_until = start
         if hidden:
             return out[0][:, pending:], out[1][:, pending:]
         return out[:, pending:]
 
-    def structured(self, tokens, rows, *args):
+    def structured(self, tokens, *args, rows):
+        """As ``FullSession.structured``, the state read from the active block on against the cache."""
         start, _, stop = self._span()
         self._fill(start)
-        return self.caller.structured(tokens, rows, slice(0, stop), *args, cache=self.cache, rows=rows)
+        self.caller.count(tokens, None, self.cache, structured_tokens(tokens.shape[1], args[0].shape[1]))
+        return self.caller.model.structured_verify(tokens, *args, cache=self.cache, rows=rows,
+                                                   **self.caller.kwargs(rows, slice(0, stop)))
 
 
-class PrefixCacheSession:
+class PrefixCacheSession(_Session):
     """Fast-dLLM prefix cache (approximate): one full call per block fills the cache; steps then run the
     active block and the rest of the sequence against the prefix's cached keys."""
 
     exact = False
-
-    def __init__(self, canvas: Canvas, caller: Caller):
-        self.canvas, self.caller = canvas, caller
 
     def begin_block(self, block: int) -> None:
         self.block = block
@@ -286,25 +318,28 @@ class PrefixCacheSession:
 
     def _full_cache(self):
         """A fresh cache filled by one full call over every row's whole sequence."""
-        rows = torch.arange(self.canvas.x.shape[0], device=self.canvas.x.device)
-        cache = self.caller.model.new_cache()
-        length = self.canvas.x.shape[1]
-        self.caller.cached(self.canvas.x, cache, rows, served=len(rows), keys=slice(0, length), append=True)
+        x, cache = self.canvas.x, self.caller.model.new_cache()
+        self.caller.count(x, len(x), cache)
+        kwargs = self.caller.kwargs(torch.arange(len(x), device=x.device), slice(0, x.shape[1]))
+        check_logits(self.caller.model.forward_cached(x, cache, append=True, **kwargs), x)
         return cache
 
     def view(self, rows: torch.Tensor) -> View:
         start, end = self.canvas.span(self.block)
-        length = self.canvas.x.shape[1]
-        region = torch.arange(length - start, device=rows.device) < end - start
-        return View(self.canvas.x[rows, start:], region, rows, start, 0, self.canvas.mask_token_id, self)
+        return self._view(rows, start, self.canvas.x.shape[1], end - start)
 
-    def logits(self, tokens: torch.Tensor, rows: torch.Tensor, hidden: bool = False) -> torch.Tensor:
-        return self.caller.cached(tokens, self.cache, rows, served=_served(rows), keys=slice(0, self.canvas.x.shape[1]),
-                                  rows=rows, append=False, **_hidden(hidden))
+    def logits(self, tokens: torch.Tensor, which: torch.Tensor, hidden: bool = False, *, rows: torch.Tensor):
+        rows = rows[which]
+        self.caller.count(tokens, _served(rows), self.cache)
+        # The new tokens' mask columns are the last ones of keys=[0, L): answer positions, all ones.
+        out = self.caller.model.forward_cached(tokens, self.cache, rows=rows, append=False, **self._place(rows),
+                                               **self.caller.kwargs(rows, slice(0, self.canvas.x.shape[1])),
+                                               **_hidden(hidden))
+        return check_logits(out, tokens)
 
-    def structured(self, tokens, rows, *args):
-        raise ValueError("the structured verifier needs an exact view: cache='none' or 'block', not an "
-                         "approximate prefix or dual cache")
+    def _place(self, rows: torch.Tensor) -> dict:
+        """Extra keyword arguments that place the new tokens (none: they follow the cached prefix)."""
+        return {}
 
 
 class DualCacheSession(PrefixCacheSession):
@@ -317,15 +352,12 @@ class DualCacheSession(PrefixCacheSession):
 
     def view(self, rows: torch.Tensor) -> View:
         start, end = self.canvas.span(self.block)
-        region = torch.ones(end - start, dtype=torch.bool, device=rows.device)
-        return View(self.canvas.x[rows, start:end], region, rows, start, 0, self.canvas.mask_token_id, self)
+        return self._view(rows, start, end, end - start)
 
-    def logits(self, tokens: torch.Tensor, rows: torch.Tensor, hidden: bool = False) -> torch.Tensor:
+    def _place(self, rows: torch.Tensor) -> dict:
+        """The active block's position ids: the cache holds keys on both sides of it."""
         start, end = self.canvas.span(self.block)
-        # The new tokens' mask columns are the last ones of keys=[0, L): answer positions, all ones.
-        return self.caller.cached(tokens, self.cache, rows, served=_served(rows), keys=slice(0, self.canvas.x.shape[1]),
-                                  rows=rows, append=False, position_ids=self.positions[rows, start:end],
-                                  **_hidden(hidden))
+        return {"position_ids": self.positions[rows, start:end]}
 
     @property
     def positions(self) -> torch.Tensor:
@@ -349,19 +381,40 @@ def _served(rows: torch.Tensor) -> int:
 SESSIONS = {"none": FullSession, "block": BlockCacheSession, "prefix": PrefixCacheSession, "dual": DualCacheSession}
 
 
-def decode(canvas: Canvas, session, stepper, callback=None) -> torch.Tensor:
-    """Run ``stepper`` over every block until each row's block is revealed (or the row hit EOS)."""
-    for block in range(canvas.num_blocks):
-        session.begin_block(block)
-        stepper.begin_block(block)
-        while (rows := canvas.rows_in_block(block)).numel():
-            view = session.view(rows)
-            new_x, info = stepper.step(view)
-            canvas.x[rows, view.offset : view.offset + new_x.shape[1]] = new_x
-            canvas.stop_at_eos(rows)
-            if callback is not None:
-                callback(StepEvent(**info, rows=rows, x=canvas.x[rows], offset=view.offset))
-    return canvas.x
+class Stepper(Protocol):
+    """One sampler's rounds over the active block (``samplers/diffusion.py: run`` loops over them).
+
+    ``logits(view)``: what the step starts from, usually the model at the view's state (one call); ``step(view,
+    logits)``: the round itself -> (the view's tokens after it, the step event's fields). ``lookahead``: the
+    step wants each call to score the next block too (``BlockCacheSession``).
+    """
+
+    lookahead: bool
+
+    def begin_block(self, block: int) -> None: ...
+
+    def logits(self, view: View): ...
+
+    def step(self, view: View, logits) -> tuple[torch.Tensor, dict]: ...
+
+
+def open_session(cache: str, canvas: Canvas, model, stats: DecodeStats, attention_mask: torch.Tensor | None,
+                 lookahead: bool = False) -> Session:
+    """The session the resolved ``cache`` option picks for ``canvas``, with the prompt's padding ``attention_mask``
+    [B, P] extended over the answer and, for a block-causal model, each row's answer start as block offset."""
+    prompt, length = canvas.x[:, : canvas.prompt_length], canvas.x.shape[1]
+    mask = None
+    if attention_mask is not None:
+        mask = torch.ones((prompt.shape[0], length), dtype=torch.long, device=prompt.device)
+        mask[:, : prompt.shape[1]] = attention_mask
+    # Block-causal models line their blocks up with the answer: its first position, in position ids.
+    offset = None
+    if capabilities(model).block_size is not None:
+        real = prompt.new_full((prompt.shape[0],), prompt.shape[1])
+        offset = (attention_mask.sum(dim=1) if attention_mask is not None else real).long()
+    mode = choose_session(cache, model, canvas.block_length)
+    extra = {"lookahead": True} if mode == "block" and lookahead else {}
+    return SESSIONS[mode](canvas, Caller(model, stats, mask, offset), **extra)
 
 
 def choose_session(cache: str, model, block_length: int) -> str:
@@ -372,8 +425,11 @@ def choose_session(cache: str, model, block_length: int) -> str:
     return "block" if caps.cache and caps.cache_exact and caps.block_size == block_length else "none"
 
 
-def session_exact(model, *, cache: str = "auto", block_length: int | None = None, verifier: str = "copies") -> bool:
-    """Whether the session that these resolved options pick is exact (``Session.exact``): what ``generate``
-    reports as ``exact`` for an exact sampler. The one-pass structured verifier is not exact (its
+def session_exact(model=None, *, cache: str = "auto", block_length: int | None = None,
+                  verifier: str = "copies") -> bool:
+    """Whether the session these options pick declares itself exact (``Session.exact``) and the verifier keeps
+    it so: the one source of ``generate``'s ``exact`` label (through ``SamplerConfig.exact``). Without a model,
+    ``auto`` stands for either session it may pick. The one-pass structured verifier is not exact (its
     conditionals equal the sequential chain's only for a model trained for it), whatever the session."""
-    return SESSIONS.get(choose_session(cache, model, block_length), FullSession).exact and verifier != "structured"
+    modes = ("block", "none") if cache == "auto" and model is None else (choose_session(cache, model, block_length),)
+    return all(SESSIONS[mode].exact for mode in modes) and verifier != "structured"

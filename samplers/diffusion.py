@@ -1,13 +1,16 @@
-"""Entry points of the masked-diffusion samplers: build the canvas, pick the session, run the stepper."""
+"""Entry points of the masked-diffusion samplers: ``run`` builds the canvas and the session and loops over
+the blocks, calling the sampler's stepper until each block is done; each sampler only builds its stepper."""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
 from dllm.protocols import capabilities
-from dllm.stats import DecodeStats
+from dllm.stats import DecodeStats, StepEvent
 
-from .canvas import SESSIONS, Caller, Canvas, choose_session, decode
+from .canvas import Canvas, Stepper, open_session
 from .fef import FefStepper
 from .masked import DreamStepper, EbStepper, FastDllmStepper, LladaStepper
 from .sequential import SequentialStepper
@@ -15,69 +18,64 @@ from .two_stream import decode as two_stream_decode
 
 
 def run(
-    stepper, model, prompt, gen_length, *, stats: DecodeStats, block_length: int, cache: str = "auto",
-    attention_mask: torch.Tensor | None = None, eos_token_id: tuple[int, ...] | None = None, callback=None,
+    make_stepper, model, prompt, gen_length, *, temperature, generator, stats: DecodeStats, block_length: int,
+    cache: str = "auto", attention_mask: torch.Tensor | None = None, eos_token_id: tuple[int, ...] | None = None,
+    callback=None, **options,
 ) -> torch.Tensor:
-    """Decode ``gen_length`` masked positions after ``prompt`` [B, P] with ``stepper`` -> [B, P + N]."""
+    """Decode ``gen_length`` masked positions after ``prompt`` [B, P] -> [B, P + N], with the stepper that
+    ``make_stepper(temperature, generator, stats, blocks, block_length, **options)`` builds.
+
+    The loop is written out here, not in a helper, so that a model call is four frames below ``generate``
+    (this loop, the step, the session, the model: ``python -m dllm.eval.call_depth``).
+    """
+    if make_stepper in _TWO_STREAM and capabilities(model).reveal_order_cache:
+        # The two-stream layout has its own exact cached chain and one-call verifier (samplers/two_stream.py).
+        return two_stream_decode(model, prompt, gen_length, temperature=temperature, generator=generator, stats=stats,
+                                 block_length=block_length, cache=cache, attention_mask=attention_mask,
+                                 eos_token_id=eos_token_id, callback=callback, **_TWO_STREAM[make_stepper](options))
     canvas = Canvas.start(prompt, gen_length, block_length, model.mask_token_id, eos_token_id)
-    length = canvas.x.shape[1]
-    mask = None
-    if attention_mask is not None:
-        mask = torch.ones((prompt.shape[0], length), dtype=torch.long, device=prompt.device)
-        mask[:, : prompt.shape[1]] = attention_mask
-    # Block-causal models line their blocks up with the answer: its first position, in position ids.
-    offset = None
-    if capabilities(model).block_size is not None:
-        real = prompt.new_full((prompt.shape[0],), prompt.shape[1])
-        offset = (attention_mask.sum(dim=1) if attention_mask is not None else real).long()
-    mode = choose_session(cache, model, block_length)
-    lookahead = {"lookahead": True} if mode == "block" and getattr(stepper, "lookahead", False) else {}
-    session = SESSIONS[mode](canvas, Caller(model, stats, mask, offset), **lookahead)
-    return decode(canvas, session, stepper, callback)
+    stepper: Stepper = make_stepper(temperature, generator, stats, canvas.num_blocks, block_length, **options)
+    session = open_session(cache, canvas, model, stats, attention_mask, stepper.lookahead)
+    for block in range(canvas.num_blocks):
+        session.begin_block(block)
+        stepper.begin_block(block)
+        while (rows := canvas.rows_in_block(block)).numel():
+            view = session.view(rows)
+            new_x, info = stepper.step(view, stepper.logits(view))
+            canvas.x[rows, view.offset : view.offset + new_x.shape[1]] = new_x
+            canvas.stop_at_eos(rows)
+            if callback is not None:
+                callback(StepEvent(**info, rows=rows, x=canvas.x[rows], offset=view.offset))
+    return canvas.x
 
 
-def _common(kw: dict) -> dict:
-    return {k: kw.pop(k) for k in ("block_length", "cache", "attention_mask", "eos_token_id", "callback") if k in kw}
+# Each sampler's stepper from its options; the defaults are written once, on the configs in
+# samplers/registry.py, and generate passes every option.
+def _stepper(cls):
+    """A stepper whose fields after (temperature, generator, stats) are the sampler's options, named alike
+    (so a new option on the config reaches the stepper by its name)."""
+    def make(temperature, generator, stats, blocks, block_length, **options):
+        return cls(temperature, generator, stats, **options)
+    return make
 
 
-# Option defaults are written once, on the configs in samplers/registry.py; generate passes every option.
-def sequential(model, prompt, gen_length, *, temperature, generator, stats, order, **kw):
-    if capabilities(model).reveal_order_cache:  # the two-stream layout: its cached chain (samplers/two_stream.py)
-        return two_stream_decode(model, prompt, gen_length, temperature=temperature, generator=generator,
-                                 stats=stats, order=order, window=0, **_common(kw))
-    stepper = SequentialStepper(temperature, generator, stats, order)
-    return run(stepper, model, prompt, gen_length, stats=stats, **_common(kw))
+def _llada(temperature, generator, stats, blocks, block_length, *, steps, remasking, cfg_scale) -> LladaStepper:
+    return LladaStepper(temperature, generator, stats, steps // blocks, block_length, remasking, cfg_scale)
 
 
-def fef(model, prompt, gen_length, *, temperature, generator, stats, order, window, draft, verifier, **kw):
-    if capabilities(model).one_pass_exact:  # one call verifies a window exactly (samplers/two_stream.py)
-        return two_stream_decode(model, prompt, gen_length, temperature=temperature, generator=generator,
-                                 stats=stats, order=order, window=window, sampler="fef", **_common(kw))
-    stepper = FefStepper(temperature, generator, stats, order, window, draft, verifier)
-    return run(stepper, model, prompt, gen_length, stats=stats, **_common(kw))
+def _dream(temperature, generator, stats, blocks, block_length, *, steps, alg, alg_temp, top_p, top_k) -> DreamStepper:
+    return DreamStepper(temperature, generator, stats, steps // blocks, alg, alg_temp, top_p, top_k)
 
 
-def llada(model, prompt, gen_length, *, temperature, generator, stats, steps, remasking, cfg_scale, **kw):
-    common = _common(kw)
-    steps_per_block = steps // (gen_length // common["block_length"])
-    stepper = LladaStepper(temperature, generator, stats, steps_per_block, common["block_length"], remasking,
-                           cfg_scale)
-    return run(stepper, model, prompt, gen_length, stats=stats, **common)
+_SEQUENTIAL, _FEF = _stepper(SequentialStepper), _stepper(FefStepper)
+# What sequential and fef pass to the two-stream decoder (fef's draft source and verifier do not apply there).
+_TWO_STREAM = {_SEQUENTIAL: lambda options: {"order": options["order"], "window": 0},
+               _FEF: lambda options: {"order": options["order"], "window": options["window"], "sampler": "fef"}}
 
-
-def dream(model, prompt, gen_length, *, temperature, generator, stats, steps, alg, alg_temp, top_p, top_k, **kw):
-    common = _common(kw)
-    steps_per_block = steps // (gen_length // common["block_length"])
-    stepper = DreamStepper(temperature, generator, stats, steps_per_block, alg, alg_temp, top_p, top_k)
-    return run(stepper, model, prompt, gen_length, stats=stats, **common)
-
-
-def fast_dllm(model, prompt, gen_length, *, temperature, generator, stats, threshold, factor, **kw):
-    stepper = FastDllmStepper(temperature, generator, stats, threshold, factor)
-    return run(stepper, model, prompt, gen_length, stats=stats, **_common(kw))
-
-
-def eb(model, prompt, gen_length, *, temperature, generator, stats, gamma, **kw):
-    stepper = EbStepper(temperature, generator, stats, gamma)
-    return run(stepper, model, prompt, gen_length, stats=stats, **_common(kw))
-
+# The registry's run functions: ``run`` with the sampler's stepper bound (a partial adds no call frame).
+sequential = functools.partial(run, _SEQUENTIAL)
+fef = functools.partial(run, _FEF)
+llada = functools.partial(run, _llada)
+dream = functools.partial(run, _dream)
+fast_dllm = functools.partial(run, _stepper(FastDllmStepper))
+eb = functools.partial(run, _stepper(EbStepper))

@@ -23,7 +23,8 @@ reproduces greedy ``sequential`` token for token.
   previous round's verify call (no draft call at all); still exact, since any proposal works as long as
   drafts are sampled from the very probabilities the test uses. One call per round.
 Both are draft-source objects (``MarginalDrafts``, ``StaleDrafts`` in ``samplers/drafters.py``), chosen once
-per call; a round asks its source for logits and tells it the verified copy afterwards.
+per call; the loop asks the source for draft logits, the round samples the drafts through it and tells it
+the verified copy afterwards.
 """
 
 from __future__ import annotations
@@ -44,23 +45,13 @@ DRAFT_SOURCES = ("marginal", "stale")
 VERIFIERS = ("copies", "structured")
 
 
-@dataclass(frozen=True)
-class RoundResult:
-    """What one fef round did for its R rows."""
-
-    x: torch.Tensor  # [R, Ls] the view's tokens after the round
-    next_logits: torch.Tensor  # [R, Ls, V] logits of the copy whose revealed drafts match the new state
-    window: torch.Tensor  # [R, W] window positions
-    drafts: torch.Tensor  # [R, W] drafted tokens
-    num_drafts: torch.Tensor  # [R] drafts verified (window size, cut at a position disagreement)
-    num_accepted: torch.Tensor  # [R]
-    emitted_positions: torch.Tensor  # [R, W + 1], -1 where nothing was emitted
-    target_logits: torch.Tensor | None = None  # [R, W + 1, V] what draft j was tested against (row j), then the bonus
-
-
 @dataclass
 class FefStepper:
-    """Speculative denoising rounds over the active block; see the module docstring."""
+    """Speculative denoising rounds over the active block; see the module docstring.
+
+    ``logits`` is the draft source's (so its state call is the source's own, one frame from the loop) and
+    ``step`` is one round, with copies or with the model's one-pass verifier, both chosen once per call.
+    """
 
     temperature: float
     generator: torch.Generator
@@ -72,6 +63,8 @@ class FefStepper:
 
     def __post_init__(self) -> None:
         self.source = StaleDrafts() if self.draft == "stale" else MarginalDrafts()  # chosen once, not per round
+        self.logits = self.source.logits  # (view) -> (draft logits [R, Ls, V], whether they are the model at the state)
+        self.step = self.structured_round if self.verifier == "structured" else self.round
 
     @property
     def lookahead(self) -> bool:
@@ -81,109 +74,83 @@ class FefStepper:
     def begin_block(self, block: int) -> None:
         pass  # stale logits carry over: the last round's copy already scored the next block
 
-    def step(self, view: View) -> tuple[torch.Tensor, dict]:
-        draft_logits, fresh = self.source.logits(view)
-        one_round = structured_round if self.verifier == "structured" else fef_round
+    def round(self, view: View, proposal: tuple[torch.Tensor, bool]) -> tuple[torch.Tensor, dict]:
+        """One draft-verify-reveal round for the view's R rows from ``proposal`` = (draft logits [R, Ls, V],
+        whether they are the model at view.x itself, so that they serve as copy 0); see the module docstring."""
+        draft_logits, draft_is_state = proposal
         generator = bind_rows(self.generator, view.rows)  # every draw below is per view row
-        result = one_round(view, draft_logits, fresh, self.temperature, generator, self.stats,
-                           order=self.order, window=self.window, source=self.source)
-        self.source.observe(view, result.next_logits)
-        revealed = torch.where(result.emitted_positions >= 0, result.emitted_positions + view.offset, -1)
-        return result.x, {"sampler": "fef", "window": result.window + view.offset, "drafts": result.drafts,
-                          "num_drafts": result.num_drafts, "num_accepted": result.num_accepted,
-                          "revealed": revealed, "target_logits": result.target_logits}
+        x, mask_id = view.x, view.mask_token_id
+        rows = torch.arange(x.shape[0], device=x.device)
+        positions, count = choose_window(self.order, draft_logits, view.candidates(x), mask_id, self.window)
+        drafts, window_logits = self.source.sample(view, draft_logits, positions, self.temperature, generator)
 
+        copies, copy_index, row_of = _build_copies(x, positions, drafts, count, skip_first=draft_is_state)
+        copy_logits = view.call(copies, row_of)
+        all_logits = torch.cat([draft_logits, copy_logits]) if draft_is_state else copy_logits
+        all_tokens = torch.cat([x, copies]) if draft_is_state else copies
+        if draft_is_state:  # the draft call was made on x itself: it is copy 0, stored first in all_logits
+            copy_index = torch.where(copy_index >= 0, copy_index + x.shape[0], copy_index)
+            copy_index[:, 0] = rows
 
-def fef_round(
-    view: View,
-    draft_logits: torch.Tensor,  # [R, Ls, V]
-    draft_is_state: bool,  # draft_logits are the model at view.x itself (then they serve as copy 0)
-    temperature: float,
-    generator: torch.Generator,
-    stats: DecodeStats,
-    *,
-    order: str,
-    window: int,
-    source: MarginalDrafts | None = None,  # samples the drafts at the window (default: independent marginals)
-) -> RoundResult:
-    """One draft-verify-reveal round for the view's R rows; see the module docstring."""
-    x, mask_id = view.x, view.mask_token_id
-    rows = torch.arange(x.shape[0], device=x.device)
-    positions, count = choose_window(order, draft_logits, view.candidates(x), mask_id, window)
-    drafts, window_logits = (source or MarginalDrafts()).sample(view, draft_logits, positions, temperature, generator)
+        # The position sequential would reveal next in every copy, from that copy's own logits.
+        picks_flat = pick_next(self.order, all_logits, view.candidates(all_tokens), mask_id)
+        picks = torch.where(copy_index >= 0, picks_flat[copy_index.clamp(min=0)], -1)  # [R, W + 1]
+        width = positions.shape[1]
+        agree = (picks[:, :width] == positions) | (torch.arange(width, device=x.device) >= count[:, None])
+        num_drafts = torch.minimum(count, (~agree).long().argmax(dim=1) + agree.all(dim=1).long() * width)
 
-    copies, copy_index, row_of = _build_copies(x, positions, drafts, count, skip_first=draft_is_state)
-    copy_logits = view.call(copies, row_of)
-    all_logits = torch.cat([draft_logits, copy_logits]) if draft_is_state else copy_logits
-    all_tokens = torch.cat([x, copies]) if draft_is_state else copies
-    if draft_is_state:  # the draft call was made on x itself: it is copy 0, stored first in all_logits
-        copy_index = torch.where(copy_index >= 0, copy_index + x.shape[0], copy_index)
-        copy_index[:, 0] = rows
+        # Target row c < num_drafts: copy c at s_c; row num_drafts: that copy at its own pick (the bonus).
+        target_positions = torch.cat([positions, positions[:, :1]], dim=1)
+        target_positions[rows, num_drafts] = picks[rows, num_drafts].clamp(min=0)
+        has_bonus = picks[rows, num_drafts] >= 0
+        target_logits = forbid_token(all_logits[copy_index.clamp(min=0), target_positions], mask_id)  # [R, W+1, V]
+        outcome = rejection_sample(drafts, window_logits, target_logits, num_drafts, temperature=self.temperature,
+                                   has_bonus=has_bonus, noise=Noise(generator=generator))
+        next_logits = all_logits[copy_index[rows, outcome.num_accepted]]
+        return self._reveal(view, positions, drafts, num_drafts, target_positions, outcome, next_logits, target_logits)
 
-    # The position sequential would reveal next in every copy, from that copy's own logits.
-    picks_flat = pick_next(order, all_logits, view.candidates(all_tokens), mask_id)
-    picks = torch.where(copy_index >= 0, picks_flat[copy_index.clamp(min=0)], -1)  # [R, W + 1]
-    width = positions.shape[1]
-    agree = (picks[:, :width] == positions) | (torch.arange(width, device=x.device) >= count[:, None])
-    num_drafts = torch.minimum(count, (~agree).long().argmax(dim=1) + agree.all(dim=1).long() * width)
+    def structured_round(self, view: View, proposal: tuple[torch.Tensor, bool]) -> tuple[torch.Tensor, dict]:
+        """A left-to-right round verified by the model's one-pass ``structured_verify`` instead of copies.
 
-    # Target row c < num_drafts: copy c at s_c; row num_drafts: that copy at its own pick (the bonus).
-    target_positions = torch.cat([positions, positions[:, :1]], dim=1)
-    target_positions[rows, num_drafts] = picks[rows, num_drafts].clamp(min=0)
-    has_bonus = picks[rows, num_drafts] >= 0
-    target_logits = forbid_token(all_logits[copy_index.clamp(min=0), target_positions], mask_id)  # [R, W+1, V]
-    outcome = rejection_sample(drafts, window_logits, target_logits, num_drafts, temperature=temperature,
-                               has_bonus=has_bonus, noise=Noise(generator=generator))
-    stats.count_verification(num_drafts, outcome.num_accepted, outcome.num_emitted)
+        Exact with respect to the conditionals that pass defines; they equal the sequential chain's only for
+        a model trained for it (or a one-layer model), so generate labels the output approximate.
+        """
+        draft_logits, _ = proposal
+        generator = bind_rows(self.generator, view.rows)
+        x, mask_id = view.x, view.mask_token_id
+        rows = torch.arange(x.shape[0], device=x.device)
+        ranked, available = choose_window("left_to_right", draft_logits, view.candidates(x), mask_id, self.window + 1)
+        width = min(self.window, ranked.shape[1])
+        positions, count = ranked[:, :width], available.clamp(max=width)
+        bonus = torch.full_like(count, -1)
+        if ranked.shape[1] > width:  # the next position after the window, where the row has one
+            bonus = torch.where(available > width, ranked[:, width], bonus)
+        drafts, window_logits = self.source.sample(view, draft_logits, positions, self.temperature, generator)
+        targets = view.structured(x, positions, drafts, count, bonus)
+        targets, state_logits = forbid_token(targets[0], mask_id), targets[1]
+        outcome = rejection_sample(drafts, window_logits, targets, count,
+                                   temperature=self.temperature, has_bonus=bonus >= 0, noise=Noise(generator=generator))
+        target_positions = torch.cat([positions, positions[:, :1]], dim=1)
+        target_positions[rows, count] = bonus.clamp(min=0)
+        # The state's logits are a valid proposal for the next round (any proposal keeps verification exact).
+        return self._reveal(view, positions, drafts, count, target_positions, outcome, state_logits, targets)
 
-    emitted_positions = torch.where(outcome.tokens >= 0, target_positions, -1)
-    new_x = x.clone()
-    hit = emitted_positions >= 0
-    new_x[rows[:, None].expand_as(hit)[hit], emitted_positions[hit]] = outcome.tokens[hit]
-    next_logits = all_logits[copy_index[rows, outcome.num_accepted]]
-    return RoundResult(new_x, next_logits, positions, drafts, num_drafts, outcome.num_accepted, emitted_positions,
-                       target_logits)
-
-
-def structured_round(
-    view: View,
-    draft_logits: torch.Tensor,  # [R, Ls, V]
-    draft_is_state: bool,
-    temperature: float,
-    generator: torch.Generator,
-    stats: DecodeStats,
-    *,
-    order: str,
-    window: int,
-    source: MarginalDrafts | None = None,
-) -> RoundResult:
-    """A left-to-right round verified by the model's one-pass ``structured_verify`` instead of copies.
-
-    Exact with respect to the conditionals that pass defines; they equal the sequential chain's only for
-    a model trained for it (or a one-layer model), so generate labels the output approximate.
-    """
-    x, mask_id = view.x, view.mask_token_id
-    rows = torch.arange(x.shape[0], device=x.device)
-    ranked, available = choose_window("left_to_right", draft_logits, view.candidates(x), mask_id, window + 1)
-    width = min(window, ranked.shape[1])
-    positions, count = ranked[:, :width], available.clamp(max=width)
-    bonus = torch.full_like(count, -1)
-    if ranked.shape[1] > width:  # the next position after the window, where the row has one
-        bonus = torch.where(available > width, ranked[:, width], bonus)
-    drafts, window_logits = (source or MarginalDrafts()).sample(view, draft_logits, positions, temperature, generator)
-    targets, state_logits = view.structured(x, positions, drafts, count, bonus)
-    targets = forbid_token(targets, mask_id)
-    outcome = rejection_sample(drafts, window_logits, targets, count,
-                               temperature=temperature, has_bonus=bonus >= 0, noise=Noise(generator=generator))
-    stats.count_verification(count, outcome.num_accepted, outcome.num_emitted)
-    target_positions = torch.cat([positions, positions[:, :1]], dim=1)
-    target_positions[rows, count] = bonus.clamp(min=0)
-    emitted_positions = torch.where(outcome.tokens >= 0, target_positions, -1)
-    new_x = x.clone()
-    hit = emitted_positions >= 0
-    new_x[rows[:, None].expand_as(hit)[hit], emitted_positions[hit]] = outcome.tokens[hit]
-    # The state's logits are a valid proposal for the next round (any proposal keeps verification exact).
-    return RoundResult(new_x, state_logits, positions, drafts, count, outcome.num_accepted, emitted_positions, targets)
+    def _reveal(self, view: View, positions, drafts, num_drafts, target_positions, outcome, next_logits,
+                target_logits):
+        """Write the emitted tokens at their positions, count the round and hand ``next_logits`` [R, Ls, V]
+        (the verified copy matching the new state) to the draft source -> (tokens [R, Ls], event fields);
+        ``target_logits`` [R, W + 1, V] (what draft j was tested against, then the bonus) ride on the event."""
+        self.stats.count_verification(num_drafts, outcome.num_accepted, outcome.num_emitted)
+        emitted_positions = torch.where(outcome.tokens >= 0, target_positions, -1)  # [R, W + 1], -1: nothing
+        new_x = view.x.clone()
+        hit = emitted_positions >= 0
+        rows = torch.arange(view.x.shape[0], device=view.x.device)
+        new_x[rows[:, None].expand_as(hit)[hit], emitted_positions[hit]] = outcome.tokens[hit]
+        self.source.observe(view, next_logits)
+        revealed = torch.where(emitted_positions >= 0, emitted_positions + view.offset, -1)
+        return new_x, {"sampler": "fef", "window": positions + view.offset, "drafts": drafts,
+                       "num_drafts": num_drafts, "num_accepted": outcome.num_accepted, "revealed": revealed,
+                       "target_logits": target_logits}
 
 
 def _build_copies(

@@ -40,10 +40,13 @@ class _Stepper:
     generator: torch.Generator
     stats: DecodeStats
 
+    lookahead = False  # (samplers.canvas.Stepper) calls need not score the next block
+
     def begin_block(self, block: int) -> None:
         self.step_index = 0
 
-    def _logits(self, view: View) -> torch.Tensor:
+    def logits(self, view: View) -> torch.Tensor:
+        """The model at the view's state -> [R, Ls, V], what the step reveals from."""
         return view.call(view.x, torch.arange(view.x.shape[0], device=view.x.device))
 
     def _propose(self, view: View, logits: torch.Tensor, temperature: float | None = None):
@@ -76,8 +79,20 @@ class LladaStepper(_Stepper):
     remasking: str = "low_confidence"
     cfg_scale: float = 0.0
 
-    def step(self, view: View) -> tuple[torch.Tensor, dict]:
-        where, proposal = self._propose(view, _guided_logits(view, self.cfg_scale))
+    def logits(self, view: View) -> torch.Tensor:
+        """Logits, with unsupervised classifier-free guidance when cfg_scale > 0 (the prompt masked as the
+        unconditional input; both halves in one batched call)."""
+        rows = torch.arange(view.x.shape[0], device=view.x.device)
+        if self.cfg_scale <= 0:
+            return view.call(view.x, rows)
+        unconditional = view.x.clone()
+        unconditional[:, : view.prompt_length] = view.mask_token_id
+        both = view.call(torch.cat([view.x, unconditional]), torch.cat([rows, rows]))
+        cond, uncond = both.float().chunk(2)
+        return uncond + (self.cfg_scale + 1) * (cond - uncond)
+
+    def step(self, view: View, logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        where, proposal = self._propose(view, logits)
         if self.remasking == "random":
             score = uniform(self._rng(view, where[0]), (len(where[0]),), view.x.device)
         else:
@@ -98,12 +113,12 @@ class DreamStepper(_Stepper):
     top_p: float | None = None
     top_k: int | None = None
 
-    def step(self, view: View) -> tuple[torch.Tensor, dict]:
+    def step(self, view: View, logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
         times = torch.linspace(1.0, DREAM_EPS, self.steps_per_block + 1, dtype=torch.float64).tolist()
         i = self.step_index
         last = i >= self.steps_per_block - 1
         fraction = 1.0 if last else 1.0 - times[i + 1] / times[i]
-        filtered = _filter_logits(self._logits(view), self.temperature, self.top_p, self.top_k)
+        filtered = _filter_logits(logits, self.temperature, self.top_p, self.top_k)
         # Filtering already applied the temperature: sample the filtered distribution as it stands.
         where, proposal = self._propose(view, filtered, 1.0 if self.temperature else 0.0)
         candidates = view.candidates(view.x)
@@ -128,8 +143,8 @@ class FastDllmStepper(_Stepper):
     threshold: float | None = None
     factor: float | None = None
 
-    def step(self, view: View) -> tuple[torch.Tensor, dict]:
-        where, proposal = self._propose(view, self._logits(view))
+    def step(self, view: View, logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        where, proposal = self._propose(view, logits)
         confidence = _scatter(proposal.token_prob.double(), where, view.x.shape)  # -inf off candidates
         ranked = confidence.sort(dim=1, descending=True).values
         if self.factor is not None:
@@ -148,8 +163,8 @@ class EbStepper(_Stepper):
 
     gamma: float = 0.01
 
-    def step(self, view: View) -> tuple[torch.Tensor, dict]:
-        where, proposal = self._propose(view, self._logits(view))
+    def step(self, view: View, logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        where, proposal = self._propose(view, logits)
         entropy = _scatter(proposal.entropy.double(), where, view.x.shape, fill=math.inf)
         ranked = entropy.sort(dim=1).values  # ascending; +inf off candidates
         finite = torch.where(torch.isfinite(ranked), ranked, torch.zeros_like(ranked))
@@ -157,19 +172,6 @@ class EbStepper(_Stepper):
         bound = finite.cumsum(dim=1) - finite
         k = ((bound <= self.gamma) & torch.isfinite(ranked)).long().cumprod(dim=1).sum(dim=1).clamp(min=1)
         return self._reveal(view, where, proposal.tokens, _top_k(-entropy, k), "eb")
-
-
-def _guided_logits(view: View, cfg_scale: float) -> torch.Tensor:
-    """Logits, with unsupervised classifier-free guidance when cfg_scale > 0 (the prompt masked as the
-    unconditional input; both halves in one batched call)."""
-    rows = torch.arange(view.x.shape[0], device=view.x.device)
-    if cfg_scale <= 0:
-        return view.call(view.x, rows)
-    unconditional = view.x.clone()
-    unconditional[:, : view.prompt_length] = view.mask_token_id
-    both = view.call(torch.cat([view.x, unconditional]), torch.cat([rows, rows]))
-    cond, uncond = both.float().chunk(2)
-    return uncond + (cfg_scale + 1) * (cond - uncond)
 
 
 def _transfer_schedule(block_length: int, steps: int) -> list[int]:

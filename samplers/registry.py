@@ -12,7 +12,8 @@ from dllm.defaults import FEF_DRAFT, FEF_WINDOW
 from dllm.protocols import capabilities, is_causal_model, is_diffusion_model
 
 from . import ar, diffusion, fef, masked, native
-from .canvas import CACHE_MODES
+from .canvas import CACHE_MODES, session_exact
+from .drafters import Drafter
 from .order import ORDERS
 
 MAX_NEW = object()  # default: the value of max_new_tokens
@@ -86,6 +87,9 @@ class SamplerConfig:
     """A sampler's options; ``validate`` fills the defaults that depend on the model and checks everything once."""
 
     EXACT: ClassVar[bool] = False  # the sampler samples exactly the sequential chain (of the causal target)
+    # The sampler's own rules, run last by validate as check(values, model) on the filled options: each
+    # raises a message naming the option.
+    CHECKS: ClassVar[tuple[Callable[[dict[str, Any], Any], None], ...]] = ()
 
     @classmethod
     def options(cls) -> dict[str, Option]:
@@ -97,7 +101,8 @@ class SamplerConfig:
 
     @property
     def exact(self) -> bool:
-        """Whether this run samples the exact law (an approximate cache or verifier makes it drift)."""
+        """Whether this run samples the exact law (an approximate cache or verifier makes it drift): what
+        ``generate`` reports; the call path's part is its session's declared ``exact`` (``session_exact``)."""
         return self.EXACT
 
     def validate(self, model, max_new_tokens: int) -> SamplerConfig:
@@ -124,6 +129,8 @@ class SamplerConfig:
                              "block may not straddle two of them")
         _check_schedule(values, max_new_tokens)
         _check_cache(values, model)
+        for check in self.CHECKS:
+            check(values, model)
         return replace(self, **values)
 
 
@@ -222,16 +229,20 @@ def _check_schedule(values: dict[str, Any], max_new_tokens: int) -> None:
                          f"(max_new_tokens / block_length = {blocks})")
 
 
+DRAFTER_KINDS = "'ngram', a CausalModel, a DiffusionModel or a Drafter (samplers/drafters.py)"
+
+
 def _check_drafter(values: dict[str, Any], model) -> None:
-    if "drafter" not in values:
-        return
+    """ar_spec's drafter: a name, a model sharing the target's token ids, or a ready Drafter object."""
     drafter = values["drafter"]
+    if isinstance(drafter, Drafter):
+        return  # a ready proposer (samplers/drafters.py states its contract); ar_spec uses it as it is
     if isinstance(drafter, str):
         if drafter != "ngram":
-            raise ValueError(f"drafter must be 'ngram', a CausalModel or a DiffusionModel, got {drafter!r}")
+            raise ValueError(f"drafter must be {DRAFTER_KINDS}, got {drafter!r}")
         return
     if not (is_diffusion_model(drafter) or is_causal_model(drafter)):
-        raise TypeError(f"drafter must be 'ngram', a CausalModel or a DiffusionModel, got {type(drafter).__name__}")
+        raise TypeError(f"drafter must be {DRAFTER_KINDS}, got {type(drafter).__name__}")
     virtual_mask = is_diffusion_model(drafter) and drafter.vocab_size == model.vocab_size + 1 \
         and drafter.mask_token_id == model.vocab_size  # a mask id appended past the shared vocabulary
     if drafter.vocab_size != model.vocab_size and not virtual_mask:
@@ -262,8 +273,18 @@ def _check_verifier(values: dict[str, Any], model) -> None:
                          f"{type(model).__name__} has none (use verifier='copies')")
     if values["order"] != "left_to_right":
         raise ValueError("verifier='structured' supports order='left_to_right' only")
-    if values.get("cache") in ("prefix", "dual"):
+    if not session_exact(cache=values["cache"]):  # an approximate (prefix or dual) cache
         raise ValueError("verifier='structured' runs with cache='auto', 'none' or 'block'")
+
+
+def _check_guidance(values: dict[str, Any], model) -> None:
+    if values["cache"] not in ("auto", "none") and values["cfg_scale"] > 0:
+        raise ValueError("cfg_scale > 0 needs full-sequence calls: use cache='none' (or 'auto')")
+
+
+def _check_threshold_or_factor(values: dict[str, Any], model) -> None:
+    if values["threshold"] is not None and values["factor"] is not None:
+        raise ValueError("fast_dllm takes either threshold or factor, not both")
 
 
 def _check_cache(values: dict[str, Any], model) -> None:
@@ -289,9 +310,6 @@ def _check_cache(values: dict[str, Any], model) -> None:
                              "Use cache='prefix' for the approximate Fast-dLLM prefix cache")
 
 
-APPROXIMATE_CACHES = ("prefix", "dual")  # Fast-dLLM caches: cached keys go stale, outputs drift
-
-
 @dataclass(frozen=True)
 class ArConfig(SamplerConfig):
     """``ar``: plain next-token sampling, with the model's exact KV cache when it has one."""
@@ -307,11 +325,7 @@ class ArSpecConfig(ArConfig):
     drafter: Any = option("ngram", _no_check, "drafter")
     num_draft_tokens: int = option(4, _int_at_least(1), "int")
     max_ngram: int = option(3, _int_at_least(1), "int")
-
-    def validate(self, model, max_new_tokens: int) -> ArSpecConfig:
-        config = super().validate(model, max_new_tokens)
-        _check_drafter(config.values(), model)
-        return config
+    CHECKS: ClassVar[tuple] = (_check_drafter,)
 
 
 @dataclass(frozen=True)
@@ -323,7 +337,7 @@ class _BlockConfig(SamplerConfig):
 
     @property
     def exact(self) -> bool:
-        return self.EXACT and self.cache not in APPROXIMATE_CACHES
+        return self.EXACT and session_exact(cache=self.cache)
 
 
 @dataclass(frozen=True)
@@ -333,12 +347,7 @@ class LladaConfig(_BlockConfig):
     steps: int = option(MAX_NEW, _int_at_least(1), "int")
     remasking: str = option("low_confidence", _choice(masked.REMASKING), "str")
     cfg_scale: float = option(0.0, _number(0.0), "float")
-
-    def validate(self, model, max_new_tokens: int) -> LladaConfig:
-        config = super().validate(model, max_new_tokens)
-        if config.cache not in ("auto", "none") and config.cfg_scale > 0:
-            raise ValueError("cfg_scale > 0 needs full-sequence calls: use cache='none' (or 'auto')")
-        return config
+    CHECKS: ClassVar[tuple] = (_check_guidance,)
 
 
 @dataclass(frozen=True)
@@ -358,12 +367,7 @@ class FastDllmConfig(_BlockConfig):
 
     threshold: float | None = option(None, _number(0.0, 1.0, optional=True), "float")
     factor: float | None = option(None, _number(0.0, low_open=True, optional=True), "float")
-
-    def validate(self, model, max_new_tokens: int) -> FastDllmConfig:
-        config = super().validate(model, max_new_tokens)
-        if config.threshold is not None and config.factor is not None:
-            raise ValueError("fast_dllm takes either threshold or factor, not both")
-        return config
+    CHECKS: ClassVar[tuple] = (_check_threshold_or_factor,)
 
 
 @dataclass(frozen=True)
@@ -388,15 +392,11 @@ class FefConfig(SequentialConfig):
     window: int = option(FEF_WINDOW, _int_at_least(1), "int")
     draft: str = option(FEF_DRAFT, _choice(fef.DRAFT_SOURCES), "str")
     verifier: str = option("copies", _choice(fef.VERIFIERS), "str")
+    CHECKS: ClassVar[tuple] = (_check_verifier,)
 
     @property
     def exact(self) -> bool:
-        return super().exact and self.verifier != "structured"
-
-    def validate(self, model, max_new_tokens: int) -> FefConfig:
-        config = super().validate(model, max_new_tokens)
-        _check_verifier(config.values(), model)
-        return config
+        return self.EXACT and session_exact(cache=self.cache, verifier=self.verifier)
 
 
 @dataclass(frozen=True)
@@ -405,11 +405,7 @@ class NativeConfig(SamplerConfig):
 
     generate_kwargs: dict | None = option(None, _optional_dict, "dict")
     drafter: Any = option(None, _no_check, "drafter")  # a transformers assistant, checked by _check_native
-
-    def validate(self, model, max_new_tokens: int) -> NativeConfig:
-        config = super().validate(model, max_new_tokens)
-        _check_native(config.values(), model)
-        return config
+    CHECKS: ClassVar[tuple] = (_check_native,)
 
 
 SAMPLERS: dict[str, SamplerSpec] = {

@@ -27,12 +27,17 @@ class SequentialStepper:
     stats: DecodeStats
     order: str = "left_to_right"
 
+    lookahead = False  # (samplers.canvas.Stepper) calls need not score the next block
+
     def begin_block(self, block: int) -> None:
         pass
 
-    def step(self, view: View) -> tuple[torch.Tensor, dict]:
+    def logits(self, view: View) -> torch.Tensor:
+        """The model at the view's state -> [R, Ls, V]."""
+        return view.call(view.x, torch.arange(view.x.shape[0], device=view.x.device))
+
+    def step(self, view: View, logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
         which = torch.arange(view.x.shape[0], device=view.x.device)
-        logits = view.call(view.x, which)
         position = pick_next(self.order, logits, view.candidates(view.x), view.mask_token_id)  # [R]
         chosen = forbid_token(logits[which, position], view.mask_token_id)  # [R, V]
         x = view.x.clone()

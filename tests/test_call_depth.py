@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from dllm.eval.call_depth import main, record_chains
@@ -34,7 +35,14 @@ def test_hand_built_chains():
     assert direct.frames == ("tests/test_call_depth.py:forward_cached",) and direct.torch_frames == 0
 
 
-def test_counts_a_real_fef_run(capsys):
-    assert main(["--max-new-tokens", "4"]) == 0
-    out = capsys.readouterr().out
-    assert "forward_cached" in out and "samplers/fef.py:fef_round" in out
+@pytest.mark.parametrize("argv", [[], ["--cache", "none"], ["--sampler", "sequential"]])
+def test_every_chain_from_generate_to_a_forward_is_at_most_four_calls(capsys, argv):
+    """Issue 13's bound: generate -> the loop -> the step (or the draft source) -> the session -> the model."""
+    assert main(["--max-new-tokens", "8", *argv]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    chains = [line for line in lines if line.startswith("depth ")]
+    assert chains and lines[-1].endswith("at most 4")
+    assert all(int(line.split()[1]) <= 4 for line in chains), chains
+    if not argv:  # fef with the block cache: the copies call and the draft call both reach forward_cached
+        assert any("samplers/fef.py:round -> samplers/canvas.py:logits -> models/transformer.py:forward_cached" in line
+                   for line in chains), chains

@@ -114,3 +114,21 @@ def test_stale_drafts_reuse_the_verified_copy_and_call_afresh_when_it_does_not_c
     marginal, again = MarginalDrafts(), FakeView(offset=2, active=slice(0, 3))
     marginal.observe(again, verified)
     assert marginal.logits(again)[1] and again.calls == 1  # marginal drafts always call
+
+
+def test_generate_takes_a_drafter_object_for_ar_spec():
+    """A Drafter passes generate's door (issue 14's drafters arrive this way) and runs as ar_spec would run it."""
+    import dllm
+
+    oracle = HMMOracle.random(num_states=3, num_tokens=3, seed=0).as_causal()
+    own = torch.tensor([0.3, -0.2, 0.1, -float("inf")])
+    prompts = PROMPT.expand(4, -1)
+    out = dllm.generate(oracle, prompts, sampler="ar_spec", drafter=FixedDrafter(own), num_draft_tokens=3,
+                        max_new_tokens=GEN, temperature=1.0, generator=torch.Generator().manual_seed(5),
+                        eos_token_id=None)
+    direct = ar_spec(oracle, prompts, GEN, temperature=1.0, generator=torch.Generator().manual_seed(5),
+                     stats=DecodeStats(), drafter=FixedDrafter(own), num_draft_tokens=3)
+    assert torch.equal(out.sequences, direct) and out.options["drafter"] == "FixedDrafter" and out.exact
+    assert out.stats.drafted > 0
+    with pytest.raises(TypeError, match="a Drafter"):
+        dllm.generate(oracle, prompts, sampler="ar_spec", drafter=object(), max_new_tokens=GEN)

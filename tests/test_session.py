@@ -67,3 +67,24 @@ def test_a_session_returns_the_features_of_the_call_it_makes(cache):
     width = view.x.shape[1]
     torch.testing.assert_close(features, full_features[:, view.offset : view.offset + width], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(logits, view.call(view.x, torch.arange(2)))
+
+
+def test_every_masked_sampler_runs_the_one_loop_with_a_stepper_of_the_protocol():
+    """The registry's run function is ``diffusion.run`` with a stepper factory bound; every stepper it builds
+    declares what the loop reads (``samplers.canvas.Stepper``): lookahead, begin_block, logits, step."""
+    import functools
+
+    from dllm.samplers import SAMPLERS, diffusion
+    from dllm.stats import DecodeStats
+
+    model = _model("block_causal")
+    for name, spec in SAMPLERS.items():
+        if spec.model_kind != "diffusion":
+            continue
+        assert isinstance(spec.run, functools.partial) and spec.run.func is diffusion.run, name
+        options = spec.configure({}, model=model, max_new_tokens=8).values()
+        block = options.pop("block_length")
+        options.pop("cache")
+        stepper = spec.run.args[0](1.0, torch.Generator(), DecodeStats(), 8 // block, block, **options)
+        assert isinstance(stepper.lookahead, bool), name
+        assert all(callable(getattr(stepper, part)) for part in ("begin_block", "logits", "step")), name

@@ -9,6 +9,13 @@ import datasets
 import evaluate
 
 
+def article(key: str, title: str, author: str, journal: str, year: int) -> str:
+    """A metric's ``CITATION``: one BibTeX @article entry, laid out as evaluate shows it."""
+    fields = {"title": title, "author": author, "journal": journal, "year": year}
+    body = ",\n".join(f"  {name}={{{value}}}" for name, value in fields.items())
+    return f"\n@article{{{key},\n{body}\n}}\n"
+
+
 class ShippedMetric(evaluate.Metric, metaclass=abc.ABCMeta):
     """A metric described by `DESCRIPTION`, `INPUTS` (the arguments), `CITATION` and `FEATURES` (column types).
 

@@ -2,7 +2,7 @@
 
 import datasets
 
-from dllm.eval.metrics.shipped import ShippedMetric
+from dllm.eval.metrics.shipped import ShippedMetric, article
 from dllm.eval.sandbox import run_many
 from dllm.eval.scoring import pass_at_k
 
@@ -31,14 +31,8 @@ class CodePassAtK(ShippedMetric):
         >>> metric.compute(predictions=[["def f():\\n    return 1"]], references=["assert f() == 1"], k=[1])
         {'pass@1': 1.0}
     """
-    CITATION = """
-    @article{chen2021codex,
-      title={Evaluating Large Language Models Trained on Code},
-      author={Chen, Mark and others},
-      journal={arXiv preprint arXiv:2107.03374},
-      year={2021}
-    }
-    """
+    CITATION = article("chen2021codex", "Evaluating Large Language Models Trained on Code",
+                       "Chen, Mark and others", "arXiv preprint arXiv:2107.03374", 2021)
 
     def _compute(self, predictions, references, k=(1,), timeout=10.0, max_workers=None):
         programs = [c for cands in predictions for c in cands]

@@ -1,6 +1,6 @@
 """GSM8K accuracy: flexible (last number) and strict (`#### N`) match of completions to gold answers."""
 
-from dllm.eval.metrics.shipped import ShippedMetric
+from dllm.eval.metrics.shipped import ShippedMetric, article
 from dllm.eval.scoring import score_gsm8k, summarize_gsm8k
 
 
@@ -28,14 +28,8 @@ class Gsm8kAccuracy(ShippedMetric):
         >>> metric.compute(predictions=["So she pays $1,200.00.\\n#### 1200"], references=["... #### 1200"])
         {'accuracy': 1.0, 'strict_accuracy': 1.0, 'lm_eval_strict_match': 1.0, 'lm_eval_flexible_extract': 1.0}
     """
-    CITATION = """
-    @article{cobbe2021gsm8k,
-      title={Training Verifiers to Solve Math Word Problems},
-      author={Cobbe, Karl and others},
-      journal={arXiv preprint arXiv:2110.14168},
-      year={2021}
-    }
-    """
+    CITATION = article("cobbe2021gsm8k", "Training Verifiers to Solve Math Word Problems",
+                       "Cobbe, Karl and others", "arXiv preprint arXiv:2110.14168", 2021)
 
     def _compute(self, predictions, references):
         scores = [score_gsm8k(p, r) for p, r in zip(predictions, references)]

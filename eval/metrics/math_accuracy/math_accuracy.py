@@ -1,6 +1,6 @@
 """MATH accuracy: the last boxed answer of each completion checked against the gold with math-verify."""
 
-from dllm.eval.metrics.shipped import ShippedMetric
+from dllm.eval.metrics.shipped import ShippedMetric, article
 from dllm.eval.scoring import accuracy, score_math
 
 
@@ -24,14 +24,8 @@ class MathAccuracy(ShippedMetric):
         >>> metric.compute(predictions=["... so the answer is $\\boxed{0.5}$."], references=["\\frac{1}{2}"])
         {'accuracy': 1.0}
     """
-    CITATION = """
-    @article{hendrycks2021math,
-      title={Measuring Mathematical Problem Solving With the MATH Dataset},
-      author={Hendrycks, Dan and others},
-      journal={NeurIPS},
-      year={2021}
-    }
-    """
+    CITATION = article("hendrycks2021math", "Measuring Mathematical Problem Solving With the MATH Dataset",
+                       "Hendrycks, Dan and others", "NeurIPS", 2021)
 
     def _compute(self, predictions, references):
         return {"accuracy": accuracy(score_math(p, r)["correct"] for p, r in zip(predictions, references))}
