@@ -45,8 +45,9 @@ def sequential(model, prompt, gen_length, *, temperature, generator, stats, orde
     return run(stepper, model, prompt, gen_length, stats=stats, **_common(kw))
 
 
-def fef(model, prompt, gen_length, *, temperature, generator, stats, order, window, draft, verifier, **kw):
-    stepper = FefStepper(temperature, generator, stats, order, window, draft, verifier)
+def fef(model, prompt, gen_length, *, temperature, generator, stats, order, window, draft, verifier, draft_head=None,
+        **kw):
+    stepper = FefStepper(temperature, generator, stats, order, window, draft, verifier, draft_head)
     return run(stepper, model, prompt, gen_length, stats=stats, **_common(kw))
 
 
