@@ -12,6 +12,7 @@ import sys
 
 RECIPES: dict[str, str] = {
     # name: module with main(argv) -> int
+    "fef-head": "dllm.training.fef_head",  # fef draft head on a frozen block-diffusion backbone
 }
 
 
