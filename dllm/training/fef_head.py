@@ -1,6 +1,8 @@
 """Recipe ``fef-head``: train a fef draft head (``dllm.models.draft_head``) on a frozen block-diffusion backbone.
 
     python -m dllm.train --recipe fef-head --config configs/fef_head.toml --objective ce --output runs/fef_head_ce
+    python -m dllm.train --recipe fef-head --config configs/fef_head.toml --objective ce --objective tv \
+        --objective opd --output runs/fef_heads   # one head per loss, same states: runs/fef_heads/<loss>
 
 States come from the synthetic training stream: per problem one answer block b (blocks of the backbone's
 size, aligned to the answer start) with the rest of block b masked, either a suffix (the states
@@ -45,7 +47,7 @@ class FefHeadConfig:
 
     backbone: str = "dllm/weights/diffusion"
     objective: str = "ce"
-    steps: int = 300
+    steps: int = 120
     batch_size: int = 16  # states per step (each costs one state call and up to block_size - 1 copies)
     lr: float = 2e-3
     weight_decay: float = 0.0
@@ -177,20 +179,26 @@ def valid_slots(win: Windows) -> torch.Tensor:
     return (c[None] >= 1) & (c[None] < win.count[:, None])
 
 
-def train_step(head, backbone, optimizer, objective: str, win: Windows, gen: torch.Generator) -> float:
+def objective_batch(head, backbone, objective: str, win: Windows, gen: torch.Generator, offline=None):
+    """Drafts, targets and the loss's masks for one objective -> (drafts, targets, accepted, valid).
+
+    ``offline``: targets on the data's drafts, computed once and shared by the offline objectives."""
+    valid = valid_slots(win)
+    if objective != "opd":
+        return win.data, offline if offline is not None else copy_targets(backbone, win, win.data), None, valid
+    drafts, draft_logits = head_rollout(head, win, gen)
+    targets = copy_targets(backbone, win, drafts)
+    draft_p = draft_logits.softmax(-1).gather(-1, drafts[..., None])[..., 0]
+    target_p = targets.softmax(-1).gather(-1, drafts[..., None])[..., 0]
+    accepted = torch.rand(draft_p.shape, generator=gen) * draft_p < target_p  # u < target / draft
+    rejected = ~accepted & valid
+    valid = valid & (torch.cumsum(rejected.long(), dim=1) - rejected.long() == 0)  # up to the first rejection
+    return drafts, targets, accepted, valid
+
+
+def train_step(head, backbone, optimizer, objective: str, win: Windows, gen: torch.Generator, offline=None) -> float:
     """One optimiser step of ``objective`` on a batch of windows -> loss."""
-    valid, accepted = valid_slots(win), None
-    if objective == "opd":
-        drafts, draft_logits = head_rollout(head, win, gen)
-        targets = copy_targets(backbone, win, drafts)
-        draft_p = draft_logits.softmax(-1).gather(-1, drafts[..., None])[..., 0]
-        target_p = targets.softmax(-1).gather(-1, drafts[..., None])[..., 0]
-        accepted = torch.rand(draft_p.shape, generator=gen) * draft_p < target_p  # u < target / draft
-        rejected_before = torch.cumsum((~accepted & valid).long(), dim=1) - (~accepted & valid).long()
-        valid = valid & (rejected_before == 0)  # up to and including the first rejection
-    else:
-        drafts = win.data
-        targets = copy_targets(backbone, win, drafts)
+    drafts, targets, accepted, valid = objective_batch(head, backbone, objective, win, gen, offline)
     previous, offsets = previous_of(drafts, win.positions)
     logits = head(win.features, win.base, previous, offsets)
     # The mask token is -inf in both: drop its column, whose 0 * -inf terms give reverse KL a NaN gradient.
@@ -270,56 +278,72 @@ def load_config(path: str | None, overrides: list[str], objective: str | None) -
     return FefHeadConfig(**values)
 
 
-def train(config: FefHeadConfig, output: Path, log=print) -> dict:
-    """Train a head; writes the head folder and ``train.json`` (config, losses, held-out acceptance)."""
+def train(config: FefHeadConfig, output: Path, objectives: tuple[str, ...] | None = None, log=print) -> dict:
+    """Train one head per objective on the same states (same compute each; ``ce`` and ``tv`` also share
+    their targets); writes each head folder with ``train.json`` (config, losses, held-out acceptance),
+    into ``output`` for one objective, ``output/<objective>`` for several."""
+    objectives = objectives or (config.objective,)
     torch.manual_seed(config.seed)
     backbone = TransformerLM.from_pretrained(config.backbone).eval().requires_grad_(False)
     tokenizer = load_tokenizer(Path(config.backbone) / "tokenizer.json")
     block = backbone.config.block_size
     if backbone.config.layout != "block_causal" or not block:
         raise ValueError(f"backbone {config.backbone!r} must be block-causal (layout {backbone.config.layout!r})")
-    head = DraftHead(DraftHeadConfig(vocab_size=backbone.vocab_size, backbone_dim=backbone.config.dim,
-                                     dim=config.dim, n_layers=config.n_layers, n_heads=config.n_heads,
-                                     mask_token_id=backbone.mask_token_id))
-    optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / config.warmup) * 0.5 * (
-        1 + math.cos(math.pi * min(s, config.steps) / config.steps)))
+    heads, optimizers, schedules = {}, {}, {}
+    for objective in objectives:
+        torch.manual_seed(config.seed)  # every head starts from the same weights
+        heads[objective] = DraftHead(DraftHeadConfig(
+            vocab_size=backbone.vocab_size, backbone_dim=backbone.config.dim, dim=config.dim,
+            n_layers=config.n_layers, n_heads=config.n_heads, mask_token_id=backbone.mask_token_id))
+        optimizers[objective] = torch.optim.AdamW(heads[objective].parameters(), lr=config.lr,
+                                                  weight_decay=config.weight_decay)
+        schedules[objective] = torch.optim.lr_scheduler.LambdaLR(optimizers[objective], lambda s: min(
+            1.0, (s + 1) / config.warmup) * 0.5 * (1 + math.cos(math.pi * min(s, config.steps) / config.steps)))
     gen = torch.Generator().manual_seed(derive_seed(config.seed, "fef-head"))
-    losses, start = [], time.time()
+    losses, start = {o: [] for o in objectives}, time.time()
     for step in range(config.steps):
         problems = list(islice(training_stream(derive_seed(config.seed, "data", step), PRESETS["default"]),
                                config.batch_size))
         examples = tokenize_problems(problems, tokenizer, "block_causal", block, 0)
         win = build_windows(backbone, examples, block, config.suffix_prob, gen)
-        losses.append(train_step(head, backbone, optimizer, config.objective, win, gen))
-        schedule.step()
+        offline = copy_targets(backbone, win, win.data) if set(objectives) - {"opd"} else None
+        for objective in objectives:
+            losses[objective].append(train_step(heads[objective], backbone, optimizers[objective], objective, win,
+                                                gen, offline))
+            schedules[objective].step()
         if step % 10 == 0 or step == config.steps - 1:
-            log(f"step {step} loss {losses[-1]:.4f} ({time.time() - start:.0f}s)")
+            shown = " ".join(f"{o} {losses[o][-1]:.4f}" for o in objectives)
+            log(f"step {step} loss {shown} ({time.time() - start:.0f}s)")
     seconds = time.time() - start
-    head.eval()
     held = tokenize_problems(heldout_set()[: config.eval_problems], tokenizer, "block_causal", block, 0)
-    acceptance = heldout_acceptance(head, backbone, held, block)
-    output.mkdir(parents=True, exist_ok=True)
-    head.save_pretrained(output)
-    report = {"config": asdict(config), "train_seconds": round(seconds, 1), "losses": losses,
-              "heldout_acceptance_T1": acceptance}
-    (output / "train.json").write_text(json.dumps(report, indent=2) + "\n")
-    log(f"held-out acceptance (T=1, block-start windows): {json.dumps(acceptance)}")
-    return report
+    reports = {}
+    for objective, head in heads.items():
+        head.eval()
+        acceptance = heldout_acceptance(head, backbone, held, block)
+        folder = output if len(objectives) == 1 else output / objective
+        head.save_pretrained(folder)
+        reports[objective] = {"config": {**asdict(config), "objective": objective}, "objectives_trained_together":
+                              list(objectives), "train_seconds": round(seconds, 1), "losses": losses[objective],
+                              "heldout_acceptance_T1": acceptance}
+        (folder / "train.json").write_text(json.dumps(reports[objective], indent=2) + "\n")
+        log(f"{objective}: held-out acceptance (T=1, block-start windows): {json.dumps(acceptance)}")
+    return reports
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="dllm train --recipe fef-head", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", help="TOML file with a [fef_head] table (configs/fef_head.toml)")
-    parser.add_argument("--objective", choices=OBJECTIVES, help="loss (overrides the config's)")
+    parser.add_argument("--objective", choices=OBJECTIVES, action="append",
+                        help="loss (overrides the config's); repeat to train one head per loss on the same states")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     parser.add_argument("--output", required=True, help="folder for the head (config.json, model.safetensors)")
     args = parser.parse_args(argv)
     try:
-        config = load_config(args.config, args.set, args.objective)
+        config = load_config(args.config, args.set, args.objective[0] if args.objective else None)
     except (ValueError, OSError) as error:
         print(f"dllm train --recipe fef-head: {error}", file=sys.stderr)
         return 2
-    train(config, Path(args.output), log=lambda line: print(line, flush=True))
+    objectives = tuple(dict.fromkeys(args.objective)) if args.objective else None
+    train(config, Path(args.output), objectives, log=lambda line: print(line, flush=True))
     return 0
 
