@@ -214,3 +214,20 @@ def test_door_refuses_bad_heads(tmp_path, model, head):
     tiny_block_causal().save_pretrained(tmp_path / "lm")  # a model folder, not a head
     with pytest.raises(ValueError, match="not a fef draft head"):
         dllm.generate(model, PROMPT[None], draft="head", draft_head=str(tmp_path / "lm"), **run)
+
+
+def test_shipped_head_drafts_for_the_shipped_model():
+    """draft="head" without draft_head= loads dllm/weights/fef_head, which fits the shipped diffusion model;
+    greedy output is sequential's; bench-style option text parses to the same options."""
+    from pathlib import Path
+
+    from dllm.samplers.registry import parse_options
+
+    model = TransformerLM.from_pretrained(Path(dllm.__file__).parent / "weights" / "diffusion")
+    prompt = torch.tensor([[3, 10, 11, 12, 13, 14]])
+    options = parse_options("fef", ["draft=head", "window=8"])
+    with torch.no_grad():
+        with_head = dllm.generate(model, prompt, sampler="fef", max_new_tokens=16, temperature=0.0, **options)
+        seq = dllm.generate(model, prompt, sampler="sequential", max_new_tokens=16, temperature=0.0)
+    assert torch.equal(with_head.sequences, seq.sequences)
+    assert with_head.stats.drafted > 0
