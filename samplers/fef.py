@@ -76,7 +76,8 @@ class FefStepper:
     draft_head: object = None  # draft="head": a head folder or DraftHead (None: the shipped head)
 
     def __post_init__(self) -> None:  # the source is chosen once, not per round
-        sources = {"stale": StaleDrafts, "head": lambda: HeadDrafts(load_draft_head(self.draft_head or FEF_HEAD))}
+        head = FEF_HEAD if self.draft_head is None else self.draft_head
+        sources = {"stale": StaleDrafts, "head": lambda: HeadDrafts(load_draft_head(head))}
         self.source = sources.get(self.draft, MarginalDrafts)()
 
     @property
