@@ -5,6 +5,7 @@ The README's "Defaults" section explains each choice; change a value here and ev
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch is imported where used, so `import dllm.cli` stays cheap (Ctrl-C at start-up)
@@ -17,6 +18,8 @@ TEMPERATURE = 0.0
 # window 8 with marginal drafts, 555.5 tok/s; stale drafts carry more tokens per call but ran at 428.3).
 FEF_WINDOW = 8
 FEF_DRAFT = "marginal"
+# fef draft="head" without draft_head=: the head trained for the shipped diffusion model (its README).
+FEF_HEAD = str(Path(__file__).resolve().parent / "weights" / "fef_head")
 # New tokens per answer: enough for a GSM8K chain of thought. `dllm eval` caps this default at what the
 # model's context leaves after the longest prompt (an explicit --max-new-tokens is checked strictly).
 MAX_NEW_TOKENS = 256

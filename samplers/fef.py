@@ -22,9 +22,11 @@ reproduces greedy ``sequential`` token for token.
 - ``"stale"``: the logits of the verified copy that matches the new state's revealed drafts, from the
   previous round's verify call (no draft call at all); still exact, since any proposal works as long as
   drafts are sampled from the very probabilities the test uses. One call per round.
-Both are draft-source objects (``MarginalDrafts``, ``StaleDrafts`` in ``samplers/drafters.py``), chosen once
-per call; the loop asks the source for draft logits, the round samples the drafts through it and tells it
-the verified copy afterwards.
+- ``"head"``: the state call as for marginal drafts, then a trained causal draft head drafts the window
+  (draft j conditioned on drafts 0..j-1; ``samplers/fef_head.py``), no extra backbone call.
+All are draft-source objects (``MarginalDrafts``, ``StaleDrafts`` in ``samplers/drafters.py``, ``HeadDrafts``
+in ``samplers/fef_head.py``), chosen once per call; the loop asks the source for draft logits, the round
+samples the drafts through it and tells it the verified copy afterwards.
 """
 
 from __future__ import annotations
@@ -33,15 +35,18 @@ from dataclasses import dataclass
 
 import torch
 
+from dllm.defaults import FEF_HEAD
+from dllm.models.draft_head import load_draft_head
 from dllm.numerics import bind_rows, forbid_token
 from dllm.stats import DecodeStats
 
 from .canvas import View
 from .drafters import MarginalDrafts, StaleDrafts
+from .fef_head import HeadDrafts
 from .order import choose_window, pick_next
 from .verify import Noise, rejection_sample
 
-DRAFT_SOURCES = ("marginal", "stale")
+DRAFT_SOURCES = ("marginal", "stale", "head")
 VERIFIERS = ("copies", "structured")
 
 
@@ -60,9 +65,12 @@ class FefStepper:
     window: int = 4
     draft: str = "marginal"
     verifier: str = "copies"
+    draft_head: object = None  # draft="head": a head folder or DraftHead (None: the shipped head)
 
-    def __post_init__(self) -> None:
-        self.source = StaleDrafts() if self.draft == "stale" else MarginalDrafts()  # chosen once, not per round
+    def __post_init__(self) -> None:  # the source is chosen once, not per round
+        head = FEF_HEAD if self.draft_head is None else self.draft_head
+        sources = {"stale": StaleDrafts, "head": lambda: HeadDrafts(load_draft_head(head))}
+        self.source = sources.get(self.draft, MarginalDrafts)()
         self.logits = self.source.logits  # (view) -> (draft logits [R, Ls, V], whether they are the model at the state)
         self.step = self.structured_round if self.verifier == "structured" else self.round
 

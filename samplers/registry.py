@@ -8,7 +8,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, ClassVar
 
-from dllm.defaults import FEF_DRAFT, FEF_WINDOW
+from dllm.defaults import FEF_DRAFT, FEF_HEAD, FEF_WINDOW
+from dllm.models.draft_head import load_draft_head
 from dllm.protocols import capabilities, is_causal_model, is_diffusion_model
 
 from . import ar, diffusion, fef, masked, native
@@ -232,6 +233,23 @@ def _check_schedule(values: dict[str, Any], max_new_tokens: int) -> None:
 DRAFTER_KINDS = "'ngram', a CausalModel, a DiffusionModel or a Drafter (samplers/drafters.py)"
 
 
+def _check_draft_head(values: dict[str, Any], model) -> None:
+    """draft="head" needs a model that returns features and a head for its vocabulary (loaded here once)."""
+    if values["draft"] != "head":
+        if values["draft_head"] is not None:
+            raise ValueError(f"draft_head is used only with draft='head', got draft={values['draft']!r}")
+        return
+    if not capabilities(model).hidden_states:
+        raise ValueError(f"draft='head' needs a model that returns its features (Capabilities.hidden_states); "
+                         f"{type(model).__name__} declares none: use draft='marginal' or 'stale'")
+    head = values["draft_head"] if values["draft_head"] is not None else FEF_HEAD
+    try:
+        loaded = load_draft_head(head)
+    except FileNotFoundError as error:
+        raise ValueError(f"draft_head={str(head)!r}: {error}") from None
+    loaded.check_backbone(model.vocab_size)
+
+
 def _check_drafter(values: dict[str, Any], model) -> None:
     """ar_spec's drafter: a name, a model sharing the target's token ids, or a ready Drafter object."""
     drafter = values["drafter"]
@@ -392,7 +410,8 @@ class FefConfig(SequentialConfig):
     window: int = option(FEF_WINDOW, _int_at_least(1), "int")
     draft: str = option(FEF_DRAFT, _choice(fef.DRAFT_SOURCES), "str")
     verifier: str = option("copies", _choice(fef.VERIFIERS), "str")
-    CHECKS: ClassVar[tuple] = (_check_verifier,)
+    draft_head: Any = option(None, _no_check, "str")  # draft="head": a folder or DraftHead; None: the shipped one
+    CHECKS: ClassVar[tuple] = (_check_verifier, _check_draft_head)
 
     @property
     def exact(self) -> bool:

@@ -55,3 +55,13 @@ def test_valid_drops_positions_and_bad_objectives_are_named():
         draft_loss("kl", p, q)
     with pytest.raises(ValueError, match="accepted="):
         draft_loss("opd", p, q)
+
+
+@pytest.mark.parametrize("objective", OBJECTIVES)
+def test_a_token_both_sides_forbid_keeps_the_gradient_finite(objective):
+    """The mask token is -inf in the draft and the target alike: no objective may turn that into nan."""
+    logits = torch.tensor([[float("-inf"), 0.5, -1.0], [float("-inf"), 2.0, 0.0]], requires_grad=True)
+    target = torch.tensor([[float("-inf"), 1.0, 0.0], [float("-inf"), -1.0, 1.0]])
+    loss = draft_loss(objective, logits, target, accepted=torch.tensor([True, False]))
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logits.grad[:, 1:]).all()

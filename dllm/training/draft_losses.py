@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 OBJECTIVES = ("ce", "tv", "opd")
+LOG_FLOOR = -100.0  # log-probability standing in for a forbidden token's -inf inside a KL (e^-100)
 
 
 def expected_acceptance(draft_logits: torch.Tensor, target_logits: torch.Tensor,
@@ -40,17 +41,26 @@ def draft_loss(objective: str, draft_logits: torch.Tensor, target_logits: torch.
         raise ValueError("objective='opd' needs accepted= (which drafts the target accepted)")
     log_p = F.log_softmax(draft_logits.float() / temperature, dim=-1)
     log_q = F.log_softmax(target_logits.detach().float() / temperature, dim=-1)
-    q = log_q.exp()
-    forward = (q * (log_q - log_p)).nan_to_num().sum(dim=-1)  # 0 * -inf where the target forbids a token
+    p, q = log_p.exp(), log_q.exp()
     if objective == "ce":
-        per = forward
+        per = _kl(q, log_q, log_p)
     elif objective == "tv":
-        per = 0.5 * (log_p.exp() - q).abs().sum(dim=-1)
+        per = 0.5 * (p - q).abs().sum(dim=-1)
     else:
-        p = log_p.exp()
-        reverse = (p * (log_p - log_q)).nan_to_num().sum(dim=-1)
-        per = torch.where(accepted.bool(), forward, reverse)
+        per = torch.where(accepted.bool(), _kl(q, log_q, log_p), _kl(p, log_p, log_q))
     if valid is None:
         return per.mean()
     valid = valid.bool()
     return (per * valid).sum() / valid.sum().clamp(min=1)
+
+
+def _kl(w: torch.Tensor, log_w: torch.Tensor, log_other: torch.Tensor) -> torch.Tensor:
+    """sum_v w (log w - log other) [..., V] -> [...], a token with w = 0 adding 0 in value AND gradient.
+
+    A token both distributions forbid (the mask token: -inf in both) would give 0 * (-inf - -inf) = nan;
+    selecting 0 there before the product keeps the backward pass finite too (nan_to_num would not). Where
+    only ``other`` forbids a token the KL is infinite; ``other`` is floored at LOG_FLOOR so that the loss
+    stays finite and its gradient still pushes the mass off that token.
+    """
+    gap = torch.where(w > 0, log_w - log_other.clamp(min=LOG_FLOOR), torch.zeros_like(log_w))
+    return (w * gap).sum(dim=-1)

@@ -13,6 +13,7 @@ import sys
 RECIPES: dict[str, str] = {
     # name: module with main(argv) -> int
     "prefix-conditioned": "dllm.training.prefix",  # the two-stream layout's any-order objective (issue 15)
+    "fef-head": "dllm.training.fef_head",  # fef draft head on a frozen block-diffusion backbone
 }
 
 
