@@ -13,6 +13,7 @@ from dllm.protocols import capabilities, is_causal_model, is_diffusion_model
 
 from . import ar, diffusion, fef, masked, native
 from .canvas import CACHE_MODES
+from .head_drafters import check_drafter_head
 from .order import ORDERS
 
 MAX_NEW = object()  # default: the value of max_new_tokens
@@ -226,9 +227,12 @@ def _check_drafter(values: dict[str, Any], model) -> None:
     if "drafter" not in values:
         return
     drafter = values["drafter"]
+    if drafter == "head" or values.get("draft_head") is not None:
+        check_drafter_head(drafter, values.get("draft_head"), model)
+        return
     if isinstance(drafter, str):
         if drafter != "ngram":
-            raise ValueError(f"drafter must be 'ngram', a CausalModel or a DiffusionModel, got {drafter!r}")
+            raise ValueError(f"drafter must be 'ngram', 'head', a CausalModel or a DiffusionModel, got {drafter!r}")
         return
     if not (is_diffusion_model(drafter) or is_causal_model(drafter)):
         raise TypeError(f"drafter must be 'ngram', a CausalModel or a DiffusionModel, got {type(drafter).__name__}")
@@ -307,6 +311,7 @@ class ArSpecConfig(ArConfig):
     drafter: Any = option("ngram", _no_check, "drafter")
     num_draft_tokens: int = option(4, _int_at_least(1), "int")
     max_ngram: int = option(3, _int_at_least(1), "int")
+    draft_head: Any = option(None, _no_check, "str")  # a head folder or module (samplers/head_drafters.py)
 
     def validate(self, model, max_new_tokens: int) -> ArSpecConfig:
         config = super().validate(model, max_new_tokens)
