@@ -100,7 +100,8 @@ class _ArgmaxEagle(EagleDrafter):
 def test_power_head_drafter_with_wrong_logits_fails(target, eagle):
     stats = DecodeStats()
     seq = ar_spec(target, PROMPT.expand(N_SAMPLES, -1), GEN, temperature=1.0,
-                  generator=torch.Generator().manual_seed(5), stats=stats, drafter=_ArgmaxEagle(eagle, target), num_draft_tokens=3)
+                  generator=torch.Generator().manual_seed(5), stats=stats, drafter=_ArgmaxEagle(eagle, target),
+                  num_draft_tokens=3)
     expected = sequential_distribution(target, PROMPT, GEN, temperature=1.0)
     assert chi_square_pvalue(seq[:, PROMPT.numel():], expected) < 1e-6
 
