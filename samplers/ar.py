@@ -14,7 +14,11 @@ logits at position i depend only on tokens <= i, so whatever follows a row's end
   ``fef``: the canvas ends with the block holding the last draft (later blocks cannot be seen), and with
   a cache, finished blocks are computed once, so a call feeds about one block per row;
 - ``"ngram"``: prompt lookup: the continuation of the latest earlier occurrence of the sequence's last
-  n tokens (n = ``max_ngram`` .. 1), proposed as point masses.
+  n tokens (n = ``max_ngram`` .. 1), proposed as point masses;
+- ``"head"``: an EAGLE head (``draft_head``, default the one shipped for ``dllm/weights/ar``) drafting
+  from the target's own features, which the verification call returns (``return_hidden``); a
+  DiffusionModel drafter with ``draft_head`` a repair head has its block rewritten left to right
+  (``samplers/head_drafters.py``).
 Each is a ``Drafter`` object (``samplers/drafters.py``, which says how to add one), built once from the
 ``drafter`` option; the loop calls only its ``propose`` and ``rollback``. The shared verification
 (``samplers/verify.py``) makes the output distributed exactly as ``ar`` at the same temperature.
