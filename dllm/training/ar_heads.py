@@ -150,8 +150,9 @@ def offline_loss(models: _Models, recipe: HeadRecipe, batch, prompt_lens, genera
     feats = _repair_features(models, ids, prompt_lens, rows, starts, k)
     previous = _window(ids, rows, starts - 1, k)  # the confirmed token, then the data's drafts
     head_logits = repair_unroll(models.head, models.drafter, feats, previous)[..., : models.target.vocab_size]
-    return draft_loss(recipe.objective, _reachable(models, head_logits),
-                      _reachable(models, _window(logits, rows, starts - 1, k)), valid=_window(scored, rows, starts - 1, k))
+    target = _reachable(models, _window(logits, rows, starts - 1, k))
+    return draft_loss(recipe.objective, _reachable(models, head_logits), target,
+                      valid=_window(scored, rows, starts - 1, k))
 
 
 def _reachable(models: _Models, logits: torch.Tensor) -> torch.Tensor:
