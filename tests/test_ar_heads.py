@@ -175,3 +175,15 @@ def test_bad_draft_heads_are_refused_with_the_parameter_named(target, eagle, ora
         run(target, drafter="head", draft_head=3)
     with pytest.raises(ValueError, match="draft head kind must be one of"):
         HeadConfig("medusa", 16, 3, 32)
+
+
+def test_head_drafters_accept_counting_wrappers(oracle, diffusion, repair):
+    """dllm bench wraps drafters in CountingModel; the head must still find the drafter's output layer."""
+    from dllm.counting import CountingModel
+
+    prompts = torch.tensor([[0, 2, 1, 0, 2]])
+    common = dict(max_new_tokens=6, temperature=0.0)
+    wrapped = CountingModel(diffusion, lambda call: None, draft=True)
+    spec = dllm.generate(oracle.as_causal(), prompts, sampler="ar_spec", drafter=wrapped, draft_head=repair,
+                         num_draft_tokens=3, **common)
+    assert torch.equal(spec.sequences, dllm.generate(oracle.as_causal(), prompts, sampler="ar", **common).sequences)

@@ -18,6 +18,7 @@ with the head), so they need a ``TransformerLM``-shaped backbone (``backbone_par
 
 from __future__ import annotations
 
+import inspect
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -96,7 +97,9 @@ class RepairHead(nn.Module):
 
 
 def backbone_parts(model) -> tuple[nn.Module, nn.Module, object]:
-    """(embedding, final norm, output projection of normed features) of a backbone a head can draft through."""
+    """(embedding, final norm, output projection of normed features) of a backbone a head can draft through
+    (through wrappers such as ``dllm.counting.CountingModel``, which name their model in ``__wrapped__``)."""
+    model = inspect.unwrap(model)
     if not isinstance(model, TransformerLM):
         raise TypeError(f"draft heads read a dllm TransformerLM's embeddings and output layer; got "
                         f"{type(model).__name__}")
