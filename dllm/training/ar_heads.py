@@ -308,6 +308,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a key (TOML syntax), e.g. --set objective='tv'")
     parser.add_argument("--kind", choices=("eagle", "repair"), help="set by the recipe name")
+    parser.add_argument("--eval-untrained", action="store_true",
+                        help="only measure a fresh head's held-out acceptance (a repair head: the plain marginals)")
     args = parser.parse_args(argv)
     values = tomllib.loads(Path(args.config).read_text()) if args.config else {}
     for item in args.set:
@@ -328,6 +330,11 @@ def main(argv: list[str]) -> int:
         recipe = replace(HeadRecipe(), **values)
     except ValueError as error:
         parser.error(str(error))
+    if args.eval_untrained:
+        models = _Models(recipe)
+        models.head.eval()
+        print(json.dumps({f"T{t:g}": heldout_acceptance(models, recipe, t) for t in (0.0, 1.0)}))
+        return 0
     train_head(recipe, Path(args.output))
     return 0
 
