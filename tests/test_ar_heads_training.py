@@ -1,6 +1,7 @@
 """The eagle-head / repair-head recipes (dllm/training/ar_heads.py) on tiny random backbones (offline, fast)."""
 
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 import dllm
 from dllm.data.synthetic import PRESETS
 from dllm.data.tokenizer import load_tokenizer
-from dllm.models.ar_heads import load_head
+from dllm.models.ar_heads import load_head, save_head
 from dllm.models.transformer import TransformerConfig, TransformerLM
 from dllm.training.ar_heads import HeadRecipe, _Models, main, offline_loss, on_policy_loss, train_head
 from dllm.training.batches import build_batch, step_problems, tokenize_problems
@@ -94,3 +95,14 @@ def test_recipes_are_registered_and_refuse_bad_keys(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--output", str(tmp_path), "--set", "window=3"])
     assert "unknown keys ['window']" in capsys.readouterr().err
+
+
+def test_init_starts_from_a_saved_head_of_the_same_kind(backbones, tmp_path):
+    recipe = HeadRecipe(kind="eagle", target=backbones["ar"], hidden=32)
+    first = _Models(recipe)
+    save_head(first.head, tmp_path / "h")
+    again = _Models(replace(recipe, init=str(tmp_path / "h")))
+    for a, b in zip(first.head.parameters(), again.head.parameters()):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="init=.*is a 'eagle' head"):
+        _Models(replace(recipe, kind="repair", drafter=backbones["diffusion"], init=str(tmp_path / "h")))

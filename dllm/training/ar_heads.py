@@ -35,7 +35,16 @@ import torch
 
 from dllm.data.synthetic import PRESETS, format_example, heldout_set
 from dllm.data.tokenizer import load_tokenizer
-from dllm.models.ar_heads import HeadConfig, eagle_step, eagle_unroll, new_head, repair_unroll, save_head
+from dllm.models.ar_heads import (
+    HeadConfig,
+    check_head,
+    eagle_step,
+    eagle_unroll,
+    load_head,
+    new_head,
+    repair_unroll,
+    save_head,
+)
 from dllm.models.transformer import TransformerLM
 from dllm.training.batches import IGNORE, build_batch, derive_seed, step_problems, tokenize_problems
 from dllm.training.draft_losses import OBJECTIVES, draft_loss
@@ -62,6 +71,7 @@ class HeadRecipe:
     seed: int = 0
     eval_prompts: int = 16
     eval_new_tokens: int = 64
+    init: str = ""  # a head folder to start from (Draft-OPD starts from an offline-trained head)
 
     def __post_init__(self) -> None:
         if self.kind not in ("eagle", "repair"):
@@ -91,6 +101,12 @@ class _Models:
             backbone = self.drafter
         self.backbone = backbone
         self.head = new_head(HeadConfig(recipe.kind, backbone.config.dim, backbone.vocab_size, recipe.hidden))
+        if recipe.init:
+            try:
+                check_head(recipe.init, recipe.kind, backbone)
+            except ValueError as error:
+                raise ValueError(f"init={recipe.init!r}: {error}") from None
+            self.head = load_head(recipe.init).train()
         self.tokens = 0
 
     def call(self, model, input_ids, **kwargs):
