@@ -187,3 +187,18 @@ def test_head_drafters_accept_counting_wrappers(oracle, diffusion, repair):
     spec = dllm.generate(oracle.as_causal(), prompts, sampler="ar_spec", drafter=wrapped, draft_head=repair,
                          num_draft_tokens=3, **common)
     assert torch.equal(spec.sequences, dllm.generate(oracle.as_causal(), prompts, sampler="ar", **common).sequences)
+
+
+def test_shipped_heads_greedy_equal_ar():
+    """drafter='head' defaults to dllm/weights/ar-eagle; the shipped repair head fits the shipped diffusion model."""
+    from dllm.models.ar_heads import DEFAULT_EAGLE, SHIPPED
+
+    target = TransformerLM.from_pretrained(SHIPPED / "ar")
+    diffusion = TransformerLM.from_pretrained(SHIPPED / "diffusion")
+    prompt = torch.tensor([[10, 20, 30, 40, 50]])
+    common = dict(max_new_tokens=12, temperature=0.0)
+    plain = dllm.generate(target, prompt, sampler="ar", **common).sequences
+    for options in (dict(drafter="head"), dict(drafter=diffusion, draft_head=str(SHIPPED / "ar-repair"))):
+        spec = dllm.generate(target, prompt, sampler="ar_spec", num_draft_tokens=8, **options, **common)
+        assert torch.equal(spec.sequences, plain)
+    assert DEFAULT_EAGLE.is_dir()
