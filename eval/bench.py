@@ -151,7 +151,7 @@ class RunConfig:
     def drafter(self) -> str | None:
         """The drafter model's name (ar_spec with a model drafter), else None."""
         drafter = self.options.get("drafter")
-        return drafter if isinstance(drafter, str) and drafter != "ngram" else None
+        return drafter if isinstance(drafter, str) and drafter not in ("ngram", "head") else None
 
 
 def _harness_value(key: str, value: Any) -> Any:

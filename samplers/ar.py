@@ -14,7 +14,11 @@ logits at position i depend only on tokens <= i, so whatever follows a row's end
   ``fef``: the canvas ends with the block holding the last draft (later blocks cannot be seen), and with
   a cache, finished blocks are computed once, so a call feeds about one block per row;
 - ``"ngram"``: prompt lookup: the continuation of the latest earlier occurrence of the sequence's last
-  n tokens (n = ``max_ngram`` .. 1), proposed as point masses.
+  n tokens (n = ``max_ngram`` .. 1), proposed as point masses;
+- ``"head"``: an EAGLE head (``draft_head``, default the one shipped for ``dllm/weights/ar``) drafting
+  from the target's own features, which the verification call returns (``return_hidden``); a
+  DiffusionModel drafter with ``draft_head`` a repair head has its block rewritten left to right
+  (``samplers/head_drafters.py``).
 Each is a ``Drafter`` object (``samplers/drafters.py``, which says how to add one), built once from the
 ``drafter`` option; the loop calls only its ``propose`` and ``rollback``. The shared verification
 (``samplers/verify.py``) makes the output distributed exactly as ``ar`` at the same temperature.
@@ -37,6 +41,7 @@ from dllm.stops import emitted_until_stop, fill_token, is_stop
 
 from .canvas import Caller
 from .drafters import CausalDrafter, DiffusionDrafter, DraftContext, Drafter, NgramDrafter, append_at_lengths
+from .head_drafters import head_drafter
 from .verify import Noise, rejection_sample
 
 
@@ -74,7 +79,8 @@ def ar(
 
 def ar_spec(
     model, prompt, gen_length, *, temperature, generator, stats: DecodeStats, drafter="ngram",
-    num_draft_tokens=4, max_ngram=3, cache="auto", attention_mask=None, eos_token_id=None, callback=None,
+    num_draft_tokens=4, max_ngram=3, draft_head=None, cache="auto", attention_mask=None, eos_token_id=None,
+    callback=None,
 ) -> torch.Tensor:
     """Speculative decoding against the causal target ``model`` -> [B, P + N]."""
     batch, prompt_len = prompt.shape
@@ -86,14 +92,16 @@ def ar_spec(
     rows = torch.arange(batch, device=prompt.device)
     kv = _rollback_cache(model) if _use_cache(cache, model) else None  # holds [0, min(len) - 1) of every row
     proposer = _make_drafter(drafter, Caller(drafter, stats, attention_mask=full_mask, draft=True), cache, max_ngram,
-                             prompt_len)
+                             prompt_len, draft_head, model)
+    features = None  # [R, D] target features at length - 2, for a drafter that wants them
     while rows.numel():
         length = lengths[rows]
         num_drafts = torch.clamp(total - length - 1, max=num_draft_tokens)  # leave room for the bonus
         draft = proposer.propose(seq[rows], length, num_draft_tokens,
-                                 DraftContext(rows, num_drafts, temperature, generator, model.vocab_size))
+                                 DraftContext(rows, num_drafts, temperature, generator, model.vocab_size, features))
         drafts, num_drafts = draft.tokens, draft.count
-        target = _target_rows(caller, kv, seq[rows], rows, length, drafts)  # [R, K + 1, V]
+        target = _target_rows(caller, kv, seq[rows], rows, length, drafts, proposer.wants_features)  # [R, K + 1, V]
+        target, hidden = target if proposer.wants_features else (target, None)
         outcome = rejection_sample(drafts, draft.logits, target, num_drafts, temperature=temperature,
                                    noise=Noise(generator=bind_rows(generator, rows)))
         stats.count_verification(num_drafts, outcome.num_accepted, outcome.num_emitted)
@@ -102,11 +110,14 @@ def ar_spec(
         hit = offsets[None, :] < emitted[:, None]
         seq[rows[:, None].expand_as(hit)[hit], (length[:, None] + offsets)[hit]] = outcome.tokens[hit]
         lengths[rows] += emitted
+        if hidden is not None:  # the new length - 2 is the position of verify row emitted - 1
+            features = hidden[torch.arange(len(rows), device=seq.device), (emitted - 1).clamp(min=0)]
         if callback is not None:
             callback(StepEvent("ar_spec", rows, seq[rows], drafts=drafts, num_drafts=num_drafts,
                                num_accepted=outcome.num_accepted, target_logits=target))
         keep = (lengths[rows] < total) & ~stopped
         rows = rows[keep]
+        features = None if features is None else features[keep]
         if rows.numel():
             kept = None if bool(keep.all()) else keep.nonzero().squeeze(-1)
             accepted = int(lengths[rows].min()) - 1  # tokens every row holds for sure (drafts match before)
@@ -150,10 +161,15 @@ def _full_mask(attention_mask, batch: int, length: int, device) -> torch.Tensor 
     return full
 
 
-def _make_drafter(drafter, caller: Caller, cache: str, max_ngram: int, prompt_len: int) -> Drafter:
+def _make_drafter(drafter, caller: Caller, cache: str, max_ngram: int, prompt_len: int, draft_head=None,
+                  target=None) -> Drafter:
     """The ``drafter`` option as a Drafter (samplers/drafters.py), chosen once so the loop never dispatches."""
     if isinstance(drafter, Drafter):
         return drafter
+    if drafter == "head" or draft_head is not None:  # trained heads: samplers/head_drafters.py
+        block = None if isinstance(drafter, str) else _block_size(drafter)
+        kv = _rollback_cache(drafter) if block and _use_cache(cache, drafter) else None
+        return head_drafter(drafter, draft_head, target, caller, block, prompt_len, kv)
     if isinstance(drafter, str):
         return NgramDrafter(max_ngram)
     if not is_diffusion_model(drafter):
@@ -163,8 +179,9 @@ def _make_drafter(drafter, caller: Caller, cache: str, max_ngram: int, prompt_le
     return DiffusionDrafter(caller, block, prompt_len, kv)
 
 
-def _target_rows(caller: Caller, kv, seq, rows, length, drafts) -> torch.Tensor:
-    """Target logits for each draft position and the bonus: one call on sequence + drafts -> [R, K + 1, V].
+def _target_rows(caller: Caller, kv, seq, rows, length, drafts, hidden=False):
+    """Target logits for each draft position and the bonus: one call on sequence + drafts -> [R, K + 1, V]
+    (``hidden``: and the target's features at those positions [R, K + 1, D]).
 
     With a cache holding [0, c), only tokens from c on are fed (each row's unverified tail and drafts).
     Inputs stop at position total - 2 (see the module docstring); rows past it repeat the last one.
@@ -172,13 +189,15 @@ def _target_rows(caller: Caller, kv, seq, rows, length, drafts) -> torch.Tensor:
     width = drafts.shape[1]
     extended = append_at_lengths(seq, length, drafts)[:, : min(int(length.max()) + width, seq.shape[1] - 1)]
     start = 0 if kv is None else kv.length
+    extra = {"return_hidden": True} if hidden else {}
     if kv is None:
-        logits = caller(extended, rows, served=len(rows))
+        out = caller(extended, rows, served=len(rows), **extra)
     else:
-        logits = caller.cached(extended[:, start:], kv, rows, served=len(rows), keys=slice(0, extended.shape[1]),
-                               append=True)
+        out = caller.cached(extended[:, start:], kv, rows, served=len(rows), keys=slice(0, extended.shape[1]),
+                            append=True, **extra)
     at = length[:, None] - 1 - start + torch.arange(width + 1, device=seq.device)  # position t predicts t + 1
-    return logits[torch.arange(seq.shape[0], device=seq.device)[:, None], at.clamp(max=logits.shape[1] - 1)]
+    index = (torch.arange(seq.shape[0], device=seq.device)[:, None], at.clamp(max=extended.shape[1] - start - 1))
+    return (out[0][index], out[1][index]) if hidden else out[index]
 
 
 def _block_size(model) -> int | None:

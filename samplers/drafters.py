@@ -53,10 +53,15 @@ class DraftContext:
     temperature: float
     generator: torch.Generator
     vocab_size: int  # the target's vocabulary; logits past it are dropped
+    # [R, D] the target's final-normed features at position length - 2 of each row, from the last
+    # verification call (None before it); given only to a drafter that declares ``wants_features``
+    features: torch.Tensor | None = None
 
 
 class Drafter:
     """Base class: ``propose`` drafts, ``rollback`` forgets rejected work (default: nothing to forget)."""
+
+    wants_features = False  # True: ar_spec verifies with return_hidden and passes DraftContext.features
 
     def propose(self, sequences: torch.Tensor, lengths: torch.Tensor, k: int, ctx: DraftContext) -> Draft:
         raise NotImplementedError
@@ -224,21 +229,30 @@ def draft_canvas(seq, length, size: int, mask_token_id: int) -> torch.Tensor:
     return canvas
 
 
-def diffusion_draft_logits(drafter, caller, seq, rows, length, width) -> torch.Tensor:
-    """Marginals of a bidirectional diffusion drafter at the next ``width`` positions, one call -> [R, K, V]."""
+def diffusion_draft_logits(drafter, caller, seq, rows, length, width, features=False):
+    """Marginals of a bidirectional diffusion drafter at the next ``width`` positions, one call -> [R, K, V]
+    (``features``: and the drafter's features there [R, K, D], for a repair head)."""
     size = seq.shape[1] - 1  # up to position total - 2 (module docstring): fixed, so drafts ignore the batch
-    logits = caller(draft_canvas(seq, length, size, drafter.mask_token_id), rows, served=len(rows))
+    out = caller(draft_canvas(seq, length, size, drafter.mask_token_id), rows, served=len(rows),
+                 **({"return_hidden": True} if features else {}))
     at = (length[:, None] + torch.arange(width, device=seq.device)).clamp(max=size - 1)
-    return forbid_token(logits[torch.arange(seq.shape[0], device=seq.device)[:, None], at], drafter.mask_token_id)
+    return _at_drafts(out, torch.arange(seq.shape[0], device=seq.device)[:, None], at, drafter.mask_token_id)
 
-def block_draft_logits(drafter, caller, seq, rows, length, width, prompt_len, kv) -> torch.Tensor:
+
+def _at_drafts(out, index, at, mask_id):
+    """Logits (mask forbidden) at the draft positions, and the features there when ``out`` has them."""
+    if isinstance(out, tuple):
+        return forbid_token(out[0][index, at], mask_id), out[1][index, at]
+    return forbid_token(out[index, at], mask_id)
+
+def block_draft_logits(drafter, caller, seq, rows, length, width, prompt_len, kv, features=False):
     """Marginals of a block-causal drafter at the next ``width`` positions -> [R, K, V].
 
     Blocks start at the answer start (canvas position ``prompt_len``). The canvas ends with the block of
     the batch's last draft, capped at position total - 2 (a fixed cap, so a row's drafts never depend on
     the batch: blocks after a row's own are invisible to it). With ``kv`` (holding
     finished blocks), only positions from the cache's end are fed, and the blocks every row has finished
-    are kept for later rounds.
+    are kept for later rounds. ``features``: also the drafter's features there [R, K, D].
     """
     block = drafter.block_size
     last = length + width - 1  # [R] each row's last draft position
@@ -249,17 +263,19 @@ def block_draft_logits(drafter, caller, seq, rows, length, width, prompt_len, kv
     offset = prompt_len - pads + torch.zeros_like(length)  # answer start in position-id coordinates
     start = 0 if kv is None else kv.length
     if start >= size:  # every row is one token from the end: no draft can be verified, placeholders
-        return torch.zeros((seq.shape[0], width, drafter.vocab_size), device=seq.device).index_fill_(
+        logits = torch.zeros((seq.shape[0], width, drafter.vocab_size), device=seq.device).index_fill_(
             -1, torch.tensor([drafter.mask_token_id], device=seq.device), float("-inf"))
+        return (logits, logits.new_zeros((*logits.shape[:2], drafter.config.dim))) if features else logits
+    hidden = {"return_hidden": True} if features else {}
     if kv is None:
-        logits = caller(canvas, rows, served=len(rows), block_offset=offset)
+        logits = caller(canvas, rows, served=len(rows), block_offset=offset, **hidden)
     else:
         logits = caller.cached(canvas[:, start:], kv, rows, served=len(rows), keys=slice(0, size), append=True,
-                               block_offset=offset)
+                               block_offset=offset, **hidden)
         # Blocks before min(length)'s block hold final tokens in every row and never see later blocks.
         kv.crop(prompt_len + (int(length.min()) - prompt_len) // block * block)
     at = (length[:, None] - start + torch.arange(width, device=seq.device)).clamp(max=size - start - 1)
-    return forbid_token(logits[torch.arange(seq.shape[0], device=seq.device)[:, None], at], drafter.mask_token_id)
+    return _at_drafts(logits, torch.arange(seq.shape[0], device=seq.device)[:, None], at, drafter.mask_token_id)
 
 def causal_drafts(caller, seq, rows, length, width, temperature, generator, kv=None):
     """``width`` sequential draft calls of a causal drafter -> (drafts [R, K], their logits [R, K, V]).

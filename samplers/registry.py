@@ -15,6 +15,7 @@ from dllm.protocols import capabilities, is_causal_model, is_diffusion_model
 from . import ar, diffusion, fef, masked, native
 from .canvas import CACHE_MODES, session_exact
 from .drafters import Drafter
+from .head_drafters import check_drafter_head
 from .order import ORDERS
 
 MAX_NEW = object()  # default: the value of max_new_tokens
@@ -230,7 +231,7 @@ def _check_schedule(values: dict[str, Any], max_new_tokens: int) -> None:
                          f"(max_new_tokens / block_length = {blocks})")
 
 
-DRAFTER_KINDS = "'ngram', a CausalModel, a DiffusionModel or a Drafter (samplers/drafters.py)"
+DRAFTER_KINDS = "'ngram', 'head', a CausalModel, a DiffusionModel or a Drafter (samplers/drafters.py)"
 
 
 def _check_draft_head(values: dict[str, Any], model) -> None:
@@ -255,6 +256,9 @@ def _check_drafter(values: dict[str, Any], model) -> None:
     drafter = values["drafter"]
     if isinstance(drafter, Drafter):
         return  # a ready proposer (samplers/drafters.py states its contract); ar_spec uses it as it is
+    if drafter == "head" or values.get("draft_head") is not None:
+        check_drafter_head(drafter, values.get("draft_head"), model)
+        return
     if isinstance(drafter, str):
         if drafter != "ngram":
             raise ValueError(f"drafter must be {DRAFTER_KINDS}, got {drafter!r}")
@@ -343,6 +347,7 @@ class ArSpecConfig(ArConfig):
     drafter: Any = option("ngram", _no_check, "drafter")
     num_draft_tokens: int = option(4, _int_at_least(1), "int")
     max_ngram: int = option(3, _int_at_least(1), "int")
+    draft_head: Any = option(None, _no_check, "str")  # a head folder or module (samplers/head_drafters.py)
     CHECKS: ClassVar[tuple] = (_check_drafter,)
 
 

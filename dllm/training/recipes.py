@@ -11,9 +11,11 @@ import importlib
 import sys
 
 RECIPES: dict[str, str] = {
-    # name: module with main(argv) -> int
+    # name: module with main(argv) -> int, or "module:function"
     "prefix-conditioned": "dllm.training.prefix",  # the two-stream layout's any-order objective (issue 15)
     "fef-head": "dllm.training.fef_head",  # fef draft head on a frozen block-diffusion backbone
+    "eagle-head": "dllm.training.ar_heads:eagle_main",
+    "repair-head": "dllm.training.ar_heads:repair_main",
 }
 
 
@@ -23,4 +25,5 @@ def run_recipe(name: str, argv: list[str]) -> int:
         known = ", ".join(sorted(RECIPES)) or "none yet"
         print(f"dllm train: --recipe must be one of: {known}; got {name!r}", file=sys.stderr)
         return 2
-    return importlib.import_module(RECIPES[name]).main(argv)
+    module, _, function = RECIPES[name].partition(":")
+    return getattr(importlib.import_module(module), function or "main")(argv)

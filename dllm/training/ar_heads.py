@@ -1,0 +1,365 @@
+"""Recipes ``eagle-head`` and ``repair-head``: train an ar_spec draft head against the frozen AR target.
+
+    python -m dllm.train --recipe eagle-head --config configs/eagle_head.toml --output runs/eagle-ce
+    python -m dllm.train --recipe repair-head --config configs/repair_head.toml --set objective=tv
+
+The targets are free: the AR target's next-token distributions (no_grad) on the synthetic training stream
+(``dllm.data.synthetic``, the data the target was trained on). Objectives (``draft_losses.py``):
+
+- ``ce`` / ``tv`` (offline): teacher forcing on the data. The EAGLE head unrolls ``unroll`` steps from
+  the target's feature at every answer position, each step fed the data token and its own previous
+  feature (so training sees the drift it meets when drafting); the repair head rewrites a block of
+  ``num_draft_tokens`` drafts from the diffusion drafter's features at ``starts`` random answer positions.
+- ``opd`` (on-policy, Draft-OPD): the head drafts ``num_draft_tokens`` tokens (sampled, T=1) from random
+  answer positions, the target verifies them (one call), forward KL where accepted and reverse KL where
+  rejected (positions after the first rejection are off-policy and dropped), then one replay rollout from
+  the first rejected position (prefix + accepted drafts + the target's correction).
+
+Compute is budgeted in target-model forward tokens (``budget_tokens``, the dominant cost): every
+objective stops when its target and drafter calls have fed that many tokens, so objectives compare at
+the same compute. Held-out acceptance: ar_spec (k = ``num_draft_tokens``) tokens per target call on the
+first ``eval_prompts`` held-out problems, T=0 and T=1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+import tomllib
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+
+import torch
+
+from dllm.data.synthetic import PRESETS, format_example, heldout_set
+from dllm.data.tokenizer import load_tokenizer
+from dllm.models.ar_heads import (
+    HeadConfig,
+    check_head,
+    eagle_step,
+    eagle_unroll,
+    load_head,
+    new_head,
+    repair_unroll,
+    save_head,
+)
+from dllm.models.transformer import TransformerLM
+from dllm.training.batches import IGNORE, build_batch, derive_seed, step_problems, tokenize_problems
+from dllm.training.draft_losses import OBJECTIVES, draft_loss
+
+WEIGHTS = Path(__file__).resolve().parent.parent / "weights"
+
+
+@dataclass(frozen=True)
+class HeadRecipe:
+    """One head-training run (a TOML file's top-level keys)."""
+
+    kind: str = "eagle"  # eagle | repair
+    objective: str = "ce"  # OBJECTIVES
+    target: str = str(WEIGHTS / "ar")
+    drafter: str = str(WEIGHTS / "diffusion")  # the repair head's diffusion drafter
+    hidden: int = 512
+    batch_size: int = 32
+    lr: float = 2e-3
+    weight_decay: float = 0.0
+    budget_tokens: int = 2_000_000  # target + drafter forward tokens
+    unroll: int = 4  # EAGLE teacher-forced steps
+    starts: int = 4  # random answer positions per problem (repair, opd)
+    num_draft_tokens: int = 8
+    seed: int = 0
+    eval_prompts: int = 16
+    eval_new_tokens: int = 64
+    init: str = ""  # a head folder to start from (Draft-OPD starts from an offline-trained head)
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("eagle", "repair"):
+            raise ValueError(f"kind must be 'eagle' or 'repair', got {self.kind!r}")
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type == "int" and (not isinstance(value, int) or value < (0 if f.name == "seed" else 1)):
+                raise ValueError(f"{f.name} must be a positive int, got {value!r}")
+            if f.type == "float" and (not isinstance(value, int | float) or value < 0):
+                raise ValueError(f"{f.name} must be a non-negative number, got {value!r}")
+
+
+class _Models:
+    """The frozen target (and drafter), the head, and the forward-token count of their calls."""
+
+    def __init__(self, recipe: HeadRecipe):
+        self.target = TransformerLM.from_pretrained(recipe.target, dtype=torch.float32).requires_grad_(False)
+        self.drafter = None
+        backbone = self.target
+        if recipe.kind == "repair":
+            self.drafter = TransformerLM.from_pretrained(recipe.drafter, dtype=torch.float32).requires_grad_(False)
+            if self.drafter.config.layout != "block_causal":
+                raise ValueError(f"repair-head trains on a block-causal drafter; {recipe.drafter} is "
+                                 f"{self.drafter.config.layout}")
+            backbone = self.drafter
+        self.backbone = backbone
+        self.head = new_head(HeadConfig(recipe.kind, backbone.config.dim, backbone.vocab_size, recipe.hidden))
+        if recipe.init:
+            try:
+                check_head(recipe.init, recipe.kind, backbone)
+            except ValueError as error:
+                raise ValueError(f"init={recipe.init!r}: {error}") from None
+            self.head = load_head(recipe.init).train()
+        self.tokens = 0
+
+    def call(self, model, input_ids, **kwargs):
+        self.tokens += int(kwargs["attention_mask"].sum()) if "attention_mask" in kwargs else input_ids.numel()
+        with torch.no_grad():
+            return model(input_ids, return_hidden=True, **kwargs)
+
+
+def _answer_starts(targets: torch.Tensor, count: int, width: int, generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """``count`` random positions p per row [B] with targets at p - 1 .. p + width - 2 inside the answer
+    (the first draft position p) -> (row index [R], p [R])."""
+    rows, starts = [], []
+    for b in range(targets.shape[0]):
+        answer = (targets[b] != IGNORE).nonzero().squeeze(-1)  # positions whose next token is scored
+        first, last = int(answer[0]) + 1, int(answer[-1]) + 1 - width + 1
+        last = max(first, last)
+        picks = torch.randint(first, last + 1, (count,), generator=generator)
+        rows += [b] * count
+        starts += picks.tolist()
+    return torch.tensor(rows), torch.tensor(starts)
+
+
+def _window(t: torch.Tensor, rows, starts, width: int) -> torch.Tensor:
+    """t[rows, starts + j] for j < width (clamped to t's length) -> [R, width, ...]."""
+    at = (starts[:, None] + torch.arange(width)).clamp(max=t.shape[1] - 1)
+    return t[rows[:, None], at]
+
+
+def _repair_features(models: _Models, input_ids, prompt_lens, rows, starts, width: int) -> torch.Tensor:
+    """The diffusion drafter's features at draft positions starts..starts+width-1 of canvases holding the
+    data before ``starts`` and masks up to the end of the last draft's block -> [R, width, D]."""
+    block = models.drafter.config.block_size
+    offset = prompt_lens[rows]
+    ends = offset + torch.div(starts + width - 1 - offset, block, rounding_mode="floor").add(1).mul(block)
+    size = int(ends.max())
+    data = torch.nn.functional.pad(input_ids[rows], (0, max(0, size - input_ids.shape[1])))[:, :size]
+    known = torch.arange(size)[None, :] < starts[:, None]
+    canvas = torch.where(known, data, models.drafter.mask_token_id)
+    mask = (torch.arange(size)[None, :] < ends[:, None]).long()
+    _, features = models.call(models.drafter, canvas, attention_mask=mask, block_offset=offset)
+    return _window(features, torch.arange(len(rows)), starts, width)
+
+
+def offline_loss(models: _Models, recipe: HeadRecipe, batch, prompt_lens, generator) -> torch.Tensor:
+    """``ce`` / ``tv``: teacher-forced loss on the data (module docstring)."""
+    logits, features = models.call(models.target, batch.input_ids, attention_mask=batch.attention_mask)
+    ids, scored = batch.input_ids, batch.targets != IGNORE
+    if recipe.kind == "eagle":
+        n = recipe.unroll
+        rows, t = scored[:, 1:].nonzero(as_tuple=True)  # feature at t whose first step's target is scored
+        tokens = _window(ids, rows, t + 1, n)  # [N, n] the data's tokens t+1..t+n
+        head_logits = eagle_unroll(models.head, models.target, features[rows, t], tokens)  # [N, n, V]
+        return draft_loss(recipe.objective, head_logits, _window(logits, rows, t + 1, n),
+                          valid=_window(scored, rows, t + 1, n) & (t[:, None] + 1 + torch.arange(n) < ids.shape[1]))
+    k = recipe.num_draft_tokens
+    rows, starts = _answer_starts(batch.targets, recipe.starts, k, generator)
+    feats = _repair_features(models, ids, prompt_lens, rows, starts, k)
+    previous = _window(ids, rows, starts - 1, k)  # the confirmed token, then the data's drafts
+    head_logits = repair_unroll(models.head, models.drafter, feats, previous)[..., : models.target.vocab_size]
+    target = _reachable(models, _window(logits, rows, starts - 1, k))
+    return draft_loss(recipe.objective, _reachable(models, head_logits), target,
+                      valid=_window(scored, rows, starts - 1, k))
+
+
+def _reachable(models: _Models, logits: torch.Tensor) -> torch.Tensor:
+    """Logits [..., V] without a diffusion drafter's mask column: the drafter never drafts it, so the
+    target's (tiny) mass there would make forward KL infinite, and -inf in both laws makes the reverse KL's
+    gradient NaN; dropping the column renormalises both over the tokens a draft can be."""
+    if models.drafter is None or models.drafter.mask_token_id >= logits.shape[-1]:
+        return logits
+    mask_id = models.drafter.mask_token_id
+    return torch.cat([logits[..., :mask_id], logits[..., mask_id + 1 :]], dim=-1)
+
+
+def _rollout(models: _Models, recipe: HeadRecipe, prefixes: list[list[int]], prompt_lens, generator):
+    """Draft ``num_draft_tokens`` tokens (T=1) after each prefix and verify them with the target ->
+    (head logits [R, k, V] with gradient, drafts [R, k], target logits [R, k, V])."""
+    k, vocab = recipe.num_draft_tokens, models.target.vocab_size
+    lengths = torch.tensor([len(p) for p in prefixes])
+    width = int(lengths.max()) + k
+    seq = torch.zeros((len(prefixes), width), dtype=torch.long)
+    for r, p in enumerate(prefixes):
+        seq[r, : len(p)] = torch.tensor(p)
+    rows = torch.arange(len(prefixes))
+    last = seq[rows, lengths - 1]
+    drafts, steps = torch.zeros((len(rows), k), dtype=torch.long), []
+    if recipe.kind == "eagle":
+        context = width - k - 1  # inputs up to the longest prefix's position length - 2
+        valid = (torch.arange(context)[None, :] < lengths[:, None] - 1).long()
+        _, features = models.call(models.target, seq[:, :context], attention_mask=valid)
+        feature, token = features[rows, lengths - 2], last
+        for j in range(k):
+            feature, step_logits = eagle_step(models.head, models.target, feature, token)
+            token = drafts[:, j] = _draw(step_logits.detach(), generator)
+            steps.append(step_logits)
+    else:
+        feats = _repair_features(models, seq, prompt_lens, rows, lengths, k)
+        embed = models.drafter.tok_embeddings
+        state, token = torch.zeros_like(feats[:, 0]), last
+        for j in range(k):
+            repaired, state = models.head(feats[:, j], embed(token), state)
+            step_logits = models.drafter._project(repaired)[:, :vocab]
+            token = drafts[:, j] = _draw(step_logits.detach(), generator)
+            steps.append(step_logits)
+    at = lengths[:, None] + torch.arange(k)
+    seq[rows[:, None], at] = drafts
+    mask = (torch.arange(width)[None, :] < (lengths + k)[:, None]).long()
+    target_logits, _ = models.call(models.target, seq, attention_mask=mask)
+    return torch.stack(steps, dim=1), drafts, target_logits[rows[:, None], at - 1]
+
+
+def _draw(logits: torch.Tensor, generator) -> torch.Tensor:
+    return torch.multinomial(torch.softmax(logits.float(), dim=-1), 1, generator=generator).squeeze(-1)
+
+
+def _verify(head_logits, drafts, target_logits, generator):
+    """Target acceptance of each draft at T=1 -> (accepted-by-then [R, k] bool, first rejection [R],
+    the correction at it [R] (a residual draw; a target draw after k acceptances))."""
+    p = torch.softmax(head_logits.detach().float(), -1)
+    q = torch.softmax(target_logits.float(), -1)
+    pick = lambda t: t.gather(-1, drafts[..., None]).squeeze(-1)  # noqa: E731
+    ok = torch.rand(drafts.shape, generator=generator) * pick(p) < pick(q)
+    run = ok.long().cumprod(dim=1).bool()
+    first = run.sum(dim=1)  # k when all accepted
+    rows = torch.arange(len(drafts))
+    at = first.clamp(max=drafts.shape[1] - 1)
+    residual = (q[rows, at] - p[rows, at]).clamp(min=0)
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, q[rows, at])
+    correction = torch.multinomial(residual, 1, generator=generator).squeeze(-1)
+    return run, first, correction
+
+
+def on_policy_loss(models: _Models, recipe: HeadRecipe, batch, prompt_lens, generator) -> torch.Tensor:
+    """``opd``: a rollout from random answer positions, then one replay from each first rejection."""
+    k = recipe.num_draft_tokens
+    rows, starts = _answer_starts(batch.targets, recipe.starts, k, generator)
+    prefixes = [batch.input_ids[r, :s].tolist() for r, s in zip(rows.tolist(), starts.tolist())]
+    plens = prompt_lens[rows]
+    losses = []
+    for _ in range(2):  # the rollout, then the replay
+        head_logits, drafts, target_logits = _rollout(models, recipe, prefixes, plens, generator)
+        run, first, correction = _verify(head_logits, drafts, target_logits, generator)
+        upto = torch.arange(k)[None, :] <= first[:, None]  # accepted ones and the first rejected one
+        losses.append(draft_loss("opd", _reachable(models, head_logits), _reachable(models, target_logits),
+                                 accepted=run, valid=upto))
+        prefixes = [p + drafts[r, : int(first[r])].tolist() + [int(correction[r])]
+                    for r, p in enumerate(prefixes)]
+    return sum(losses) / len(losses)
+
+
+def heldout_acceptance(models: _Models, recipe: HeadRecipe, temperature: float) -> dict[str, float]:
+    """ar_spec with the head on the first ``eval_prompts`` held-out problems, batch 1 -> tokens per target call."""
+    import dllm  # the front door, imported here so the training modules stay on the ground floor
+
+    tokenizer = load_tokenizer(Path(recipe.target) / "tokenizer.json")
+    options = ({"drafter": "head"} if recipe.kind == "eagle" else {"drafter": models.drafter})
+    totals = {"new_tokens": 0, "nfe": 0, "rounds": 0}
+    for i, problem in enumerate(heldout_set()[: recipe.eval_prompts]):
+        prompt = torch.tensor([tokenizer(format_example(problem["question"]), add_special_tokens=False)["input_ids"]])
+        out = dllm.generate(models.target, prompt, sampler="ar_spec", max_new_tokens=recipe.eval_new_tokens,
+                            temperature=temperature, generator=torch.Generator().manual_seed(i),
+                            draft_head=models.head.eval(), num_draft_tokens=recipe.num_draft_tokens,
+                            eos_token_id=models.target.eos_token_id, **options)
+        for key in totals:
+            totals[key] += getattr(out.stats, key)
+    models.head.train()
+    return {"tokens_per_target_call": totals["new_tokens"] / max(1, totals["nfe"]), **totals}
+
+
+def train_head(recipe: HeadRecipe, output: Path, log=print) -> dict:
+    """Train until ``budget_tokens`` target/drafter forward tokens are spent; save head, card and metrics."""
+    torch.manual_seed(recipe.seed)
+    models = _Models(recipe)
+    tokenizer = load_tokenizer(Path(recipe.target) / "tokenizer.json")
+    optimizer = torch.optim.AdamW(models.head.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay)
+    loss_fn = on_policy_loss if recipe.objective == "opd" else offline_loss
+    history, step, tick = [], 0, time.perf_counter()
+    models.head.train()
+    while models.tokens < recipe.budget_tokens:
+        problems = step_problems(recipe.seed, step, recipe.batch_size, 0, 1, PRESETS["default"])
+        examples = tokenize_problems(problems, tokenizer, "causal", None, 0)
+        batch = build_batch("causal", examples, pad_id=tokenizer.pad_token_id, mask_id=None, block_size=None,
+                            generator=torch.Generator())
+        prompt_lens = torch.tensor([len(e.prompt) for e in examples])
+        generator = torch.Generator().manual_seed(derive_seed(recipe.seed, "head", step))
+        # Cosine decay over the budget (by tokens spent, so every objective sees the same schedule).
+        for group in optimizer.param_groups:
+            group["lr"] = recipe.lr * 0.5 * (1 + math.cos(math.pi * models.tokens / recipe.budget_tokens))
+        loss = loss_fn(models, recipe, batch, prompt_lens, generator)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(models.head.parameters(), 1.0)
+        optimizer.step()
+        step += 1
+        if step % 20 == 0:
+            history.append({"step": step, "loss": float(loss), "tokens": models.tokens,
+                            "wall_s": round(time.perf_counter() - tick, 1)})
+            log(json.dumps(history[-1]))
+    wall = time.perf_counter() - tick
+    models.head.eval()
+    evals = {f"T{t:g}": heldout_acceptance(models, recipe, t) for t in (0.0, 1.0)}
+    summary = {"recipe": asdict(recipe), "steps": step, "forward_tokens": models.tokens, "train_wall_s": wall,
+               "heldout": evals, "history": history}
+    log(json.dumps({"steps": step, "train_wall_s": round(wall, 1), "heldout": evals}))
+    save_head(models.head, output / "head")
+    (output / "metrics.json").write_text(json.dumps(summary, indent=1) + "\n")
+    return summary
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="dllm train --recipe eagle-head|repair-head",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", help="TOML file of HeadRecipe keys")
+    parser.add_argument("--output", required=True, help="run folder: head/, metrics.json")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a key (TOML syntax), e.g. --set objective='tv'")
+    parser.add_argument("--kind", choices=("eagle", "repair"), help="set by the recipe name")
+    parser.add_argument("--eval-untrained", action="store_true",
+                        help="only measure a fresh head's held-out acceptance (a repair head: the plain marginals)")
+    args = parser.parse_args(argv)
+    values = tomllib.loads(Path(args.config).read_text()) if args.config else {}
+    for item in args.set:
+        key, sep, text = item.partition("=")
+        if not sep:
+            parser.error(f"--set expects KEY=VALUE, got {item!r}")
+        try:
+            values[key.strip()] = tomllib.loads(f"v = {text}")["v"]
+        except tomllib.TOMLDecodeError:
+            values[key.strip()] = text  # a bare word: a string
+    if args.kind:
+        values["kind"] = args.kind
+    known = {f.name for f in fields(HeadRecipe)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        parser.error(f"unknown keys {unknown}; known: {sorted(known)}")
+    try:
+        recipe = replace(HeadRecipe(), **values)
+    except ValueError as error:
+        parser.error(str(error))
+    if args.eval_untrained:
+        models = _Models(recipe)
+        models.head.eval()
+        print(json.dumps({f"T{t:g}": heldout_acceptance(models, recipe, t) for t in (0.0, 1.0)}))
+        return 0
+    train_head(recipe, Path(args.output))
+    return 0
+
+
+def eagle_main(argv: list[str]) -> int:
+    """``--recipe eagle-head``."""
+    return main([*argv, "--kind", "eagle"])
+
+
+def repair_main(argv: list[str]) -> int:
+    """``--recipe repair-head``."""
+    return main([*argv, "--kind", "repair"])

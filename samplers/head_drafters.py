@@ -1,0 +1,123 @@
+"""Trained-head drafters for ``ar_spec`` (heads in ``dllm/models/ar_heads.py``), behind the ``Drafter`` interface.
+
+- ``EagleDrafter`` (``drafter="head"``): k steps of an EAGLE head on the target's features, no model
+  call. Its first round proposes nothing (the target has not yet computed a feature), so that round is
+  plain ``ar``'s first step, and its verification call yields the features of every later round.
+- ``RepairDrafter`` (a DiffusionModel drafter with ``draft_head=`` a repair head): the diffusion
+  drafter's one call gives the block's marginals and features, then the repair head rewrites the block
+  left to right, each draft sampled from the head's logits given the drafts before it.
+
+Both return the very logits each draft was sampled from, so verification keeps ``ar``'s law exactly
+whatever the head's weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dllm.models.ar_heads import DEFAULT_EAGLE, EagleHead, RepairHead, backbone_parts, check_head, eagle_step, load_head
+from dllm.numerics import bind_rows, sample_from_logits
+from dllm.protocols import capabilities, is_diffusion_model
+
+from .drafters import DiffusionDrafter, Draft, Drafter, block_draft_logits, diffusion_draft_logits
+
+
+def _sample(logits: torch.Tensor, ctx) -> torch.Tensor:
+    """One token per row from logits [R, V], each row from its own generator stream."""
+    return sample_from_logits(logits, ctx.temperature, bind_rows(ctx.generator, ctx.rows))
+
+
+@dataclass
+class EagleDrafter(Drafter):
+    """Drafts k tokens by autoregressing an EAGLE head on the target's features (``DraftContext.features``)."""
+
+    head: torch.nn.Module
+    target: object  # the AR target: its embeddings, final norm and output projection, frozen
+
+    wants_features = True
+
+    def propose(self, sequences, lengths, k, ctx) -> Draft:
+        rows = torch.arange(sequences.shape[0], device=sequences.device)
+        tokens = torch.zeros((len(rows), k), dtype=torch.long, device=sequences.device)
+        logits = torch.zeros((len(rows), k, ctx.vocab_size), device=sequences.device)
+        if ctx.features is None:  # the first round: no verified feature yet, so no drafts
+            return Draft(tokens, logits, torch.zeros_like(ctx.num_drafts))
+        features, token = ctx.features.to(next(self.head.parameters()).dtype), sequences[rows, lengths - 1]
+        with torch.no_grad():
+            for j in range(k):
+                features, step_logits = eagle_step(self.head, self.target, features, token)
+                logits[:, j] = step_logits[:, : ctx.vocab_size]
+                token = tokens[:, j] = _sample(logits[:, j], ctx)
+        return Draft(tokens, logits, ctx.num_drafts)
+
+
+@dataclass
+class RepairDrafter(DiffusionDrafter):
+    """A diffusion drafter's block (one call: marginals and features) rewritten left to right by a repair head."""
+
+    head: torch.nn.Module | None = None
+
+    def propose(self, sequences, lengths, k, ctx) -> Draft:
+        model = self.caller.model
+        if self.block_size:
+            _, features = block_draft_logits(model, self.caller, sequences, ctx.rows, lengths, k, self.prompt_len,
+                                             self.kv, features=True)
+        else:
+            _, features = diffusion_draft_logits(model, self.caller, sequences, ctx.rows, lengths, k, features=True)
+        embed, _, project = backbone_parts(model)
+        rows = torch.arange(sequences.shape[0], device=sequences.device)
+        tokens = torch.zeros((len(rows), k), dtype=torch.long, device=sequences.device)
+        logits = torch.zeros((len(rows), k, ctx.vocab_size), device=sequences.device)
+        previous = sequences[rows, lengths - 1]  # the last confirmed token
+        with torch.no_grad():
+            state = torch.zeros_like(features[:, 0])
+            for j in range(k):
+                repaired, state = self.head(features[:, j], embed(previous), state)
+                logits[:, j] = project(repaired)[:, : ctx.vocab_size]  # the mask id (forbidden) may lie past it
+                previous = tokens[:, j] = _sample(logits[:, j], ctx)
+        return Draft(tokens, logits, ctx.num_drafts)
+
+
+def head_drafter(drafter, draft_head, target, caller, block_size, prompt_len, kv) -> Drafter:
+    """The Drafter for ``drafter="head"`` (an EAGLE head on ``target``) or a diffusion ``drafter`` with a
+    repair ``draft_head``; ``draft_head`` a head module or folder (None: the shipped EAGLE head)."""
+    if isinstance(drafter, str):
+        head = draft_head if draft_head is not None else DEFAULT_EAGLE
+        check_head(head, "eagle", target)
+        return EagleDrafter(load_head(head, dtype=_dtype(target)), target)
+    check_head(draft_head, "repair", drafter)
+    return RepairDrafter(caller, block_size, prompt_len, kv, head=load_head(draft_head, dtype=_dtype(drafter)))
+
+
+def check_drafter_head(drafter, draft_head, target) -> None:
+    """At the door: ``drafter="head"`` with an EAGLE head fitting ``target``, or a DiffusionModel drafter with
+    a repair head fitting it; a ValueError/TypeError naming the parameter otherwise."""
+    if draft_head is not None and not isinstance(draft_head, str | Path | EagleHead | RepairHead):
+        raise TypeError(f"draft_head must be a head folder or a head module (dllm.models.ar_heads), "
+                        f"got {type(draft_head).__name__}")
+    if isinstance(drafter, str) and drafter == "head":
+        if draft_head is None and not DEFAULT_EAGLE.is_dir():
+            raise ValueError(f"drafter='head' without draft_head uses the shipped EAGLE head {DEFAULT_EAGLE}, "
+                             "which is missing; pass draft_head=")
+        if not capabilities(target).hidden_states:
+            raise TypeError(f"drafter='head' reads the target's features; {type(target).__name__} does not "
+                            "declare Capabilities.hidden_states")
+        check_head(draft_head if draft_head is not None else DEFAULT_EAGLE, "eagle", target)
+        return
+    if not is_diffusion_model(drafter):
+        shown = drafter if isinstance(drafter, str) else type(drafter).__name__
+        raise ValueError("draft_head is for drafter='head' (an 'eagle' head) or a DiffusionModel drafter (a "
+                         f"'repair' head), got drafter={shown!r}")
+    if not capabilities(drafter).hidden_states:
+        raise TypeError(f"a repair draft_head reads the drafter's features; {type(drafter).__name__} does not "
+                        "declare Capabilities.hidden_states")
+    check_head(draft_head, "repair", drafter)
+    if drafter.vocab_size < target.vocab_size:
+        raise ValueError(f"drafter vocabulary ({drafter.vocab_size}) is smaller than the model's ({target.vocab_size})")
+
+
+def _dtype(model) -> torch.dtype:
+    return next(model.parameters()).dtype

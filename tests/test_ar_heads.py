@@ -1,0 +1,204 @@
+"""ar_spec with trained-head drafters (EAGLE head, diffusion drafter + repair head) keeps ``ar``'s law exactly.
+
+Chi-square tests against the enumerated law of small models, as in test_exactness.py, with random heads
+(exactness must hold for any weights); a power test shows the same test rejects a head drafter that
+verifies with other logits than it sampled from; greedy decoding equals ``ar`` token for token.
+"""
+
+import pytest
+import torch
+
+import dllm
+from dllm.models.ar_heads import EagleHead, HeadConfig, RepairHead, load_head, new_head, save_head
+from dllm.models.oracle import HMMOracle
+from dllm.models.transformer import TransformerConfig, TransformerLM
+from dllm.samplers import sequential_distribution
+from dllm.stats import DecodeStats
+from samplers.ar import ar_spec
+from samplers.canvas import Caller
+from samplers.drafters import DiffusionDrafter, Draft, DraftContext
+from samplers.head_drafters import EagleDrafter, RepairDrafter
+
+from stat_tools import ALPHA, chi_square_pvalue
+
+N_SAMPLES = 12000
+PROMPT = torch.tensor([0, 2])
+GEN = 4
+
+
+def _sharp(model: TransformerLM, scale: float) -> TransformerLM:
+    """Scale the (tied) output projection so next-token laws are far from uniform."""
+    with torch.no_grad():
+        model.output.weight.mul_(scale)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def target():
+    torch.manual_seed(0)
+    return _sharp(TransformerLM(TransformerConfig(vocab_size=3, dim=16, n_layers=1, n_heads=2, max_seq_len=32)), 5.0)
+
+
+@pytest.fixture(scope="module")
+def eagle():
+    torch.manual_seed(1)
+    return EagleHead(HeadConfig("eagle", 16, 3, 32)).eval()
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    return HMMOracle.random(num_states=3, num_tokens=3, seed=0, stickiness=2.0, sharpness=2.0)
+
+
+@pytest.fixture(scope="module")
+def diffusion():
+    """A random block-causal diffusion drafter over the oracle's 3 tokens plus a mask id appended (3)."""
+    torch.manual_seed(2)
+    config = TransformerConfig(vocab_size=4, dim=16, n_layers=1, n_heads=2, max_seq_len=32, layout="block_causal",
+                               block_size=2, mask_token_id=3)
+    return _sharp(TransformerLM(config), 5.0)
+
+
+@pytest.fixture(scope="module")
+def repair():
+    torch.manual_seed(3)
+    head = RepairHead(HeadConfig("repair", 16, 4, 32))
+    torch.nn.init.normal_(head.out.weight, std=1.0)  # a head that changes the marginals
+    return head.eval()
+
+
+def sample(model, temperature, seed=5, **options):
+    out = dllm.generate(model, PROMPT.expand(N_SAMPLES, -1), sampler="ar_spec", max_new_tokens=GEN,
+                        temperature=temperature, generator=torch.Generator().manual_seed(seed),
+                        num_draft_tokens=3, **options)
+    return out.sequences[:, PROMPT.numel():], out.stats
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_eagle_head_exact(target, eagle, temperature):
+    answers, stats = sample(target, temperature, drafter="head", draft_head=eagle)
+    assert chi_square_pvalue(answers, sequential_distribution(target, PROMPT, GEN, temperature=temperature)) > ALPHA
+    assert 0 < stats.accepted < stats.drafted
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_repair_head_exact(oracle, diffusion, repair, temperature):
+    answers, stats = sample(oracle.as_causal(), temperature, drafter=diffusion, draft_head=repair)
+    expected = sequential_distribution(oracle.as_causal(), PROMPT, GEN, temperature=temperature)
+    assert chi_square_pvalue(answers, expected) > ALPHA
+    assert 0 < stats.accepted < stats.drafted
+
+
+class _ArgmaxEagle(EagleDrafter):
+    """A buggy head drafter: drafts the argmax but reports the softmax it did not sample from."""
+
+    def propose(self, sequences, lengths, k, ctx):
+        draft = super().propose(sequences, lengths, k, ctx)
+        return Draft(draft.logits.argmax(-1), draft.logits, draft.count)
+
+
+def test_power_head_drafter_with_wrong_logits_fails(target, eagle):
+    stats = DecodeStats()
+    seq = ar_spec(target, PROMPT.expand(N_SAMPLES, -1), GEN, temperature=1.0,
+                  generator=torch.Generator().manual_seed(5), stats=stats, drafter=_ArgmaxEagle(eagle, target),
+                  num_draft_tokens=3)
+    expected = sequential_distribution(target, PROMPT, GEN, temperature=1.0)
+    assert chi_square_pvalue(seq[:, PROMPT.numel():], expected) < 1e-6
+
+
+@pytest.mark.parametrize("cache", ["auto", "none"])
+def test_head_drafters_greedy_equal_ar(target, eagle, oracle, diffusion, repair, cache):
+    prompts = torch.tensor([[0, 2, 1, 0, 2], [1, 1, 1, 1, 1], [2, 0, 2, 0, 2]])
+    common = dict(max_new_tokens=9, temperature=0.0)
+    for model, options in ((target, dict(drafter="head", draft_head=eagle)),
+                           (oracle.as_causal(), dict(drafter=diffusion, draft_head=repair))):
+        spec = dllm.generate(model, prompts, sampler="ar_spec", num_draft_tokens=3, cache=cache, **options, **common)
+        plain = dllm.generate(model, prompts, sampler="ar", **common)
+        assert torch.equal(spec.sequences, plain.sequences)
+
+
+class _Recording(EagleDrafter):
+    """Checks each round's features against the target's own features at length - 2."""
+
+    def propose(self, sequences, lengths, k, ctx):
+        if ctx.features is not None:
+            for r in range(len(lengths)):
+                _, feats = self.target(sequences[r : r + 1, : lengths[r] - 1], return_hidden=True)
+                torch.testing.assert_close(ctx.features[r], feats[0, -1], rtol=1e-4, atol=1e-5)
+            self.checked += 1
+        return super().propose(sequences, lengths, k, ctx)
+
+
+@pytest.mark.parametrize("cache", ["auto", "none"])
+def test_eagle_drafter_reads_the_feature_at_length_minus_two(target, eagle, cache):
+    drafter = _Recording(eagle, target)
+    drafter.checked = 0
+    prompts = torch.tensor([[0, 2, 1], [1, 1, 0]])
+    ar_spec(target, prompts, 10, temperature=1.0, generator=torch.Generator().manual_seed(0), stats=DecodeStats(),
+            drafter=drafter, num_draft_tokens=3, cache=cache)
+    assert drafter.checked >= 2
+
+
+def test_untrained_repair_head_drafts_the_marginals(oracle, diffusion):
+    head = new_head(HeadConfig("repair", 16, 4, 32)).eval()  # out projection zero: no correction
+    seq = torch.tensor([[0, 2, 1, 0, 0, 0, 0, 0, 0]])
+    lengths, rows = torch.tensor([3]), torch.tensor([0])
+    drafts = []
+    for cls, extra in ((DiffusionDrafter, {}), (RepairDrafter, {"head": head})):
+        drafter = cls(Caller(diffusion, DecodeStats(), draft=True), 2, 2, None, **extra)
+        ctx = DraftContext(rows, torch.tensor([3]), 1.0, torch.Generator().manual_seed(4), 3)
+        drafts.append(drafter.propose(seq, lengths, 3, ctx))
+    assert torch.equal(drafts[0].tokens, drafts[1].tokens)
+    torch.testing.assert_close(drafts[0].logits[..., :3], drafts[1].logits)
+
+
+def test_head_round_trip(tmp_path, eagle):
+    save_head(eagle, tmp_path / "h")
+    loaded = load_head(tmp_path / "h")
+    x, e = torch.randn(2, 16), torch.randn(2, 16)
+    torch.testing.assert_close(loaded(x, e), eagle(x, e))
+
+
+def test_bad_draft_heads_are_refused_with_the_parameter_named(target, eagle, oracle, diffusion, repair, tmp_path):
+    run = lambda model, **o: dllm.generate(model, PROMPT[None], sampler="ar_spec", max_new_tokens=2, **o)  # noqa: E731
+    with pytest.raises(ValueError, match="draft_head is a 'repair' head"):
+        run(target, drafter="head", draft_head=repair)
+    with pytest.raises(ValueError, match="draft_head is a 'eagle' head"):
+        run(oracle.as_causal(), drafter=diffusion, draft_head=eagle)
+    with pytest.raises(ValueError, match="draft_head is for drafter='head'"):
+        run(target, drafter="ngram", draft_head=eagle)
+    with pytest.raises(ValueError, match="draft_head has dim 8"):
+        run(target, drafter="head", draft_head=EagleHead(HeadConfig("eagle", 8, 3, 16)))
+    with pytest.raises(ValueError, match="draft_head must be .* folder"):
+        run(target, drafter="head", draft_head=str(tmp_path / "missing"))
+    with pytest.raises(TypeError, match="draft_head must be a head folder or a head module"):
+        run(target, drafter="head", draft_head=3)
+    with pytest.raises(ValueError, match="draft head kind must be one of"):
+        HeadConfig("medusa", 16, 3, 32)
+
+
+def test_head_drafters_accept_counting_wrappers(oracle, diffusion, repair):
+    """dllm bench wraps drafters in CountingModel; the head must still find the drafter's output layer."""
+    from dllm.counting import CountingModel
+
+    prompts = torch.tensor([[0, 2, 1, 0, 2]])
+    common = dict(max_new_tokens=6, temperature=0.0)
+    wrapped = CountingModel(diffusion, lambda call: None, draft=True)
+    spec = dllm.generate(oracle.as_causal(), prompts, sampler="ar_spec", drafter=wrapped, draft_head=repair,
+                         num_draft_tokens=3, **common)
+    assert torch.equal(spec.sequences, dllm.generate(oracle.as_causal(), prompts, sampler="ar", **common).sequences)
+
+
+def test_shipped_heads_greedy_equal_ar():
+    """drafter='head' defaults to dllm/weights/ar_eagle; the shipped repair head fits the shipped diffusion model."""
+    from dllm.models.ar_heads import DEFAULT_EAGLE, SHIPPED
+
+    target = TransformerLM.from_pretrained(SHIPPED / "ar")
+    diffusion = TransformerLM.from_pretrained(SHIPPED / "diffusion")
+    prompt = torch.tensor([[10, 20, 30, 40, 50]])
+    common = dict(max_new_tokens=12, temperature=0.0)
+    plain = dllm.generate(target, prompt, sampler="ar", **common).sequences
+    for options in (dict(drafter="head"), dict(drafter=diffusion, draft_head=str(SHIPPED / "ar_repair"))):
+        spec = dllm.generate(target, prompt, sampler="ar_spec", num_draft_tokens=8, **options, **common)
+        assert torch.equal(spec.sequences, plain)
+    assert DEFAULT_EAGLE.is_dir()

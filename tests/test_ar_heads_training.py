@@ -1,0 +1,108 @@
+"""The eagle-head / repair-head recipes (dllm/training/ar_heads.py) on tiny random backbones (offline, fast)."""
+
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+import dllm
+from dllm.data.synthetic import PRESETS
+from dllm.data.tokenizer import load_tokenizer
+from dllm.models.ar_heads import load_head, save_head
+from dllm.models.transformer import TransformerConfig, TransformerLM
+from dllm.training.ar_heads import HeadRecipe, _Models, main, offline_loss, on_policy_loss, train_head
+from dllm.training.batches import build_batch, step_problems, tokenize_problems
+from dllm.training.recipes import RECIPES
+
+SHIPPED = Path(dllm.__file__).resolve().parent / "weights"
+
+
+@pytest.fixture(scope="module")
+def backbones(tmp_path_factory):
+    """A tiny causal target and a tiny block-causal diffusion drafter on the shipped tokenizer."""
+    root = tmp_path_factory.mktemp("backbones")
+    torch.manual_seed(0)
+    shapes = dict(vocab_size=495, dim=16, n_layers=1, n_heads=2, max_seq_len=256, eos_token_id=1, pad_token_id=0)
+    folders = {}
+    for name, extra in (("ar", {}), ("diffusion", dict(layout="block_causal", block_size=8, mask_token_id=2))):
+        TransformerLM(TransformerConfig(**shapes, **extra)).save_pretrained(root / name)
+        shutil.copyfile(SHIPPED / "ar" / "tokenizer.json", root / name / "tokenizer.json")
+        folders[name] = str(root / name)
+    return folders
+
+
+def _batch(recipe):
+    tokenizer = load_tokenizer(Path(recipe.target) / "tokenizer.json")
+    examples = tokenize_problems(step_problems(0, 0, 4, 0, 1, PRESETS["default"]), tokenizer, "causal", None, 0)
+    batch = build_batch("causal", examples, pad_id=0, mask_id=None, block_size=None, generator=torch.Generator())
+    return batch, torch.tensor([len(e.prompt) for e in examples])
+
+
+@pytest.mark.parametrize("kind", ["eagle", "repair"])
+@pytest.mark.parametrize("objective", ["ce", "tv"])
+def test_offline_objectives_fit_a_fixed_batch(backbones, kind, objective):
+    recipe = HeadRecipe(kind=kind, objective=objective, target=backbones["ar"], drafter=backbones["diffusion"],
+                        hidden=32, starts=2, num_draft_tokens=4, unroll=3)
+    models = _Models(recipe)
+    batch, prompt_lens = _batch(recipe)
+    optimizer = torch.optim.AdamW(models.head.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(25):
+        loss = offline_loss(models, recipe, batch, prompt_lens, torch.Generator().manual_seed(0))
+        assert torch.isfinite(loss)  # the repair target's mass on the mask id is renormalised away
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    assert losses[-1] < 0.8 * losses[0]
+    assert all(p.grad is None or p.grad.abs().sum() == 0 for p in models.target.parameters())
+
+
+@pytest.mark.parametrize("kind", ["eagle", "repair"])
+def test_on_policy_loss_is_finite_and_reaches_the_head(backbones, kind):
+    recipe = HeadRecipe(kind=kind, objective="opd", target=backbones["ar"], drafter=backbones["diffusion"],
+                        hidden=32, starts=1, num_draft_tokens=4)
+    models = _Models(recipe)
+    batch, prompt_lens = _batch(recipe)
+    loss = on_policy_loss(models, recipe, batch, prompt_lens, torch.Generator().manual_seed(0))
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert sum(float(p.grad.abs().sum()) for p in models.head.parameters() if p.grad is not None) > 0
+    assert models.tokens > 0  # the rollouts' target calls are counted in the compute budget
+
+
+def test_recipe_trains_a_head_that_ar_spec_loads(backbones, tmp_path):
+    recipe = HeadRecipe(kind="eagle", target=backbones["ar"], hidden=32, budget_tokens=500, eval_prompts=1,
+                        eval_new_tokens=6, num_draft_tokens=3)
+    summary = train_head(recipe, tmp_path, log=lambda _: None)
+    assert summary["forward_tokens"] >= 500 and summary["heldout"]["T0"]["new_tokens"] > 0
+    target = TransformerLM.from_pretrained(backbones["ar"])
+    prompt = torch.tensor([[5, 6, 7]])
+    spec = dllm.generate(target, prompt, sampler="ar_spec", max_new_tokens=6, temperature=0.0, drafter="head",
+                         draft_head=str(tmp_path / "head"), num_draft_tokens=3)
+    plain = dllm.generate(target, prompt, sampler="ar", max_new_tokens=6, temperature=0.0)
+    assert torch.equal(spec.sequences, plain.sequences)
+    assert load_head(tmp_path / "head").config.kind == "eagle"
+
+
+def test_recipes_are_registered_and_refuse_bad_keys(tmp_path, capsys):
+    assert RECIPES["eagle-head"].startswith("dllm.training.ar_heads") and "repair-head" in RECIPES
+    with pytest.raises(SystemExit):
+        main(["--output", str(tmp_path), "--set", "objective='kl'"])
+    assert "objective must be one of" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--output", str(tmp_path), "--set", "window=3"])
+    assert "unknown keys ['window']" in capsys.readouterr().err
+
+
+def test_init_starts_from_a_saved_head_of_the_same_kind(backbones, tmp_path):
+    recipe = HeadRecipe(kind="eagle", target=backbones["ar"], hidden=32)
+    first = _Models(recipe)
+    save_head(first.head, tmp_path / "h")
+    again = _Models(replace(recipe, init=str(tmp_path / "h")))
+    for a, b in zip(first.head.parameters(), again.head.parameters()):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="init=.*is a 'eagle' head"):
+        _Models(replace(recipe, kind="repair", drafter=backbones["diffusion"], init=str(tmp_path / "h")))
