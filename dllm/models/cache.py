@@ -12,7 +12,27 @@ from einops import repeat
 from torch import Tensor
 
 
-class KVCache:
+class SizedCache:
+    """``length`` and ``batch_size`` of a cache from its [B, P] bookkeeping tensor (``_sized_by``), written
+    once for every cache type (KVCache here, the Hugging Face and DiffusionGemma caches of the adapters)."""
+
+    def _sized_by(self) -> Tensor | None:  # [B, P], None while empty
+        raise NotImplementedError
+
+    @property
+    def length(self) -> int:
+        """Cached sequence length P (including invalid entries); 0 when empty."""
+        sized = self._sized_by()
+        return 0 if sized is None else sized.shape[1]
+
+    @property
+    def batch_size(self) -> int | None:
+        """Rows B of the cache; None while empty."""
+        sized = self._sized_by()
+        return None if sized is None else sized.shape[0]
+
+
+class KVCache(SizedCache):
     """Per-layer keys/values of a prefix, plus each cached token's position and validity.
 
     keys[i], values[i]: [B, H_kv, P, D], rotary already applied to the keys.
@@ -37,15 +57,8 @@ class KVCache:
         self.valid = valid  # [B, P]
         self.hidden = hidden  # [B, P, dim] or None
 
-    @property
-    def length(self) -> int:
-        """Cached sequence length P (including invalid entries); 0 when empty."""
-        return 0 if self.positions is None else self.positions.shape[1]
-
-    @property
-    def batch_size(self) -> int | None:
-        """Rows B of the cache; None while empty."""
-        return None if self.positions is None else self.positions.shape[0]
+    def _sized_by(self) -> Tensor | None:
+        return self.positions
 
     def layer(self, index: int) -> tuple[Tensor, Tensor]:
         """Keys and values of one layer.  # ([B, H_kv, P, D], [B, H_kv, P, D])"""

@@ -14,6 +14,7 @@ from torch import Tensor
 from transformers import DynamicCache
 
 from dllm.counting import Counted, NativeLoop
+from dllm.models.cache import SizedCache
 from dllm.numerics import positions_from_mask
 from dllm.protocols import Capabilities
 
@@ -25,7 +26,7 @@ from .hf import (
 )
 
 
-class DiffusionGemmaCache:
+class DiffusionGemmaCache(SizedCache):
     """DiffusionGemma's encoder cache of a prefix, with each row's padding mask and real-token count.
 
     It cannot roll back (sliding-window layers keep only their window), so ``croppable`` is False and
@@ -41,13 +42,8 @@ class DiffusionGemmaCache:
         self.key_mask = key_mask  # [B, P] long; None while empty
         self.count = count  # [B] real tokens cached per row
 
-    @property
-    def length(self) -> int:
-        return 0 if self.key_mask is None else self.key_mask.shape[1]
-
-    @property
-    def batch_size(self) -> int | None:
-        return None if self.key_mask is None else self.key_mask.shape[0]
+    def _sized_by(self) -> Tensor | None:
+        return self.key_mask
 
     def encode(self, encoder, input_ids: Tensor, real: Tensor) -> None:
         """Append ``input_ids`` [B, n] (real tokens where ``real`` is 1) through the causal encoder."""

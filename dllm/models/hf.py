@@ -25,6 +25,7 @@ from torch import Tensor
 from transformers import DynamicCache
 
 from dllm.counting import Counted, NativeLoop
+from dllm.models.cache import SizedCache
 from dllm.models.remote import guard
 from dllm.numerics import positions_from_mask
 from dllm.protocols import Capabilities, padding_refusal
@@ -313,7 +314,7 @@ def select_rows(kv: DynamicCache, rows: Tensor) -> DynamicCache:
     return out
 
 
-class HFCache:
+class HFCache(SizedCache):
     """A Hugging Face ``DynamicCache`` plus the 0/1 mask of the keys it holds (0 = left padding).
 
     The KV-cache capability of ``dllm.protocols``: ``length`` counts cached positions (padding included),
@@ -325,13 +326,8 @@ class HFCache:
         self.kv = kv if kv is not None else DynamicCache(config=config)
         self.key_mask = key_mask  # [B, length] long; None while empty
 
-    @property
-    def length(self) -> int:
-        return 0 if self.key_mask is None else self.key_mask.shape[1]
-
-    @property
-    def batch_size(self) -> int | None:
-        return None if self.key_mask is None else self.key_mask.shape[0]
+    def _sized_by(self) -> Tensor | None:
+        return self.key_mask
 
     @property
     def croppable(self) -> bool:
