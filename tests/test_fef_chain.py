@@ -59,3 +59,11 @@ def test_training_on_chain_windows_raises_acceptance():
     train_head(head, win, "ce", 300, 32, 3e-3, torch.Generator().manual_seed(0), 2, warmup=10, log=lambda s: None)
     acc = chain_acceptance(head.eval(), win, greedy=True)
     assert acc["head"]["expected_accepted_per_window"] > acc["marginal"]["expected_accepted_per_window"] + 0.5
+
+
+def test_cli_refuses_bad_arguments(capsys):
+    """Bad numbers are refused with the parameter named, before any backbone is loaded."""
+    from dllm.training.fef_chain import main
+
+    assert main(["--output", "x", "--steps", "0"]) == 2
+    assert "--steps" in capsys.readouterr().err
