@@ -14,6 +14,7 @@ RECIPES: dict[str, str] = {
     # name: module with main(argv) -> int, or "module:function"
     "prefix-conditioned": "dllm.training.prefix",  # the two-stream layout's any-order objective (issue 15)
     "fef-head": "dllm.training.fef_head",  # fef draft head on a frozen block-diffusion backbone
+    "fef-head-chain": "dllm.training.fef_chain",  # the same head on the backbone's own chains (shipped head)
     "eagle-head": "dllm.training.ar_heads:eagle_main",
     "repair-head": "dllm.training.ar_heads:repair_main",
 }
