@@ -108,11 +108,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sampler", default="fef")
     parser.add_argument("--cache", default="block", help="fef's cache option (block, none, auto, ...)")
     parser.add_argument("--window", type=int, default=3)
+    parser.add_argument("--draft", default="marginal", help="fef's draft source (marginal, stale, head)")
     parser.add_argument("--max-new-tokens", type=int, default=8)
     args = parser.parse_args(argv)
     model = tiny_block_causal()
     prompt = torch.tensor([[5, 9, 7, 11]])
-    options = {"cache": args.cache, "window": args.window, "block_length": 4} if args.sampler == "fef" else {}
+    options = {"cache": args.cache, "window": args.window, "block_length": 4, "draft": args.draft} \
+        if args.sampler == "fef" else {}
 
     def run():
         with torch.no_grad():

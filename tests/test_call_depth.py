@@ -35,7 +35,7 @@ def test_hand_built_chains():
     assert direct.frames == ("tests/test_call_depth.py:forward_cached",) and direct.torch_frames == 0
 
 
-@pytest.mark.parametrize("argv", [[], ["--cache", "none"], ["--sampler", "sequential"]])
+@pytest.mark.parametrize("argv", [[], ["--cache", "none"], ["--sampler", "sequential"], ["--draft", "stale"]])
 def test_every_chain_from_generate_to_a_forward_is_at_most_four_calls(capsys, argv):
     """Issue 13's bound: generate -> the loop -> the step (or the draft source) -> the session -> the model."""
     assert main(["--max-new-tokens", "8", *argv]) == 0
