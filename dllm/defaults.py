@@ -20,6 +20,16 @@ FEF_WINDOW = 8
 FEF_DRAFT = "marginal"
 # fef draft="head" without draft_head=: the head trained for the shipped diffusion model (its README).
 FEF_HEAD = str(Path(__file__).resolve().parent / "weights" / "fef_head")
+# ... and the one trained for the shipped two-stream model (dllm/weights/two_stream), on its query features.
+TWO_STREAM_HEAD = str(Path(__file__).resolve().parent / "weights" / "two_stream_head")
+
+
+def default_draft_head(model) -> str:
+    """The head ``draft="head"`` loads without ``draft_head=``: the two-stream one for a model declaring
+    the reveal-order cache, else the block-diffusion one."""
+    from dllm.protocols import capabilities
+
+    return TWO_STREAM_HEAD if capabilities(model).reveal_order_cache else FEF_HEAD
 # New tokens per answer: enough for a GSM8K chain of thought. `dllm eval` caps this default at what the
 # model's context leaves after the longest prompt (an explicit --max-new-tokens is checked strictly).
 MAX_NEW_TOKENS = 256

@@ -7,6 +7,8 @@ import functools
 
 import torch
 
+from dllm.defaults import TWO_STREAM_HEAD
+from dllm.models.draft_head import DraftHead, load_draft_head
 from dllm.protocols import capabilities
 from dllm.stats import DecodeStats, StepEvent
 
@@ -68,9 +70,17 @@ def _dream(temperature, generator, stats, blocks, block_length, *, steps, alg, a
 
 
 _SEQUENTIAL, _FEF = _stepper(SequentialStepper), _stepper(FefStepper)
-# What sequential and fef pass to the two-stream decoder (fef's draft source and verifier do not apply there).
+# What sequential and fef pass to the two-stream decoder (its own draft logits; fef's verifier does not apply).
 _TWO_STREAM = {_SEQUENTIAL: lambda options: {"order": options["order"], "window": 0},
-               _FEF: lambda options: {"order": options["order"], "window": options["window"], "sampler": "fef"}}
+               _FEF: lambda options: {"order": options["order"], "window": options["window"], "sampler": "fef",
+                                      "draft_head": _two_stream_head(options)}}
+
+
+def _two_stream_head(options) -> DraftHead | None:
+    """fef's draft="head" on a two-stream model: the head given, else the one shipped for that layout."""
+    if options["draft"] != "head":
+        return None
+    return load_draft_head(TWO_STREAM_HEAD if options["draft_head"] is None else options["draft_head"])
 
 # The registry's run functions: ``run`` with the sampler's stepper bound (a partial adds no call frame).
 sequential = functools.partial(run, _SEQUENTIAL)

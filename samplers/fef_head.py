@@ -33,19 +33,32 @@ class HeadDrafts(MarginalDrafts):
                generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         """Head drafts at ``positions`` [R, W] -> (tokens [R, W], the logits each was drawn from [R, W, V])."""
         rows = torch.arange(positions.shape[0], device=positions.device)
-        head = self.head if next(self.head.parameters()).device == positions.device else self.head.to(positions.device)
         features = self.features[rows[:, None], positions]  # [R, W, D]
-        base = forbid_token(draft_logits[rows[:, None], positions], view.mask_token_id)  # [R, W, V]
+        base = draft_logits[rows[:, None], positions]  # [R, W, V]
         offsets = positions - torch.cat([positions[:, :1], positions[:, :-1]], dim=1)  # s_j - s_{j-1}
-        previous = torch.zeros_like(positions)  # slot j holds d_{j-1}
-        tokens, steps = torch.zeros_like(positions), []
-        for j in range(positions.shape[1]):
-            # The window is at most a block long, so re-running the head on the prefix is cheaper than
-            # keeping a cache for it; step j reads only slots <= j (causal attention).
-            logits = forbid_token(head(features[:, : j + 1], base[:, : j + 1], previous[:, : j + 1],
-                                       offsets[:, : j + 1])[:, j], view.mask_token_id)
-            tokens[:, j] = sample_from_logits(logits, temperature, bind_rows(generator, rows))
-            if j + 1 < positions.shape[1]:
-                previous[:, j + 1] = tokens[:, j]
-            steps.append(logits)
-        return tokens, torch.stack(steps, dim=1)
+        return head_drafts(self.head, features, base, torch.zeros_like(positions[:, 0]), offsets, temperature, generator,
+                           view.mask_token_id)
+
+
+@torch.no_grad()
+def head_drafts(head: DraftHead, features: torch.Tensor, base: torch.Tensor, first: torch.Tensor,
+                offsets: torch.Tensor, temperature: float, generator: torch.Generator,
+                mask_id: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draft a window in W head steps, each sampled before the next reads it (fef and the two-stream
+    samplers share this loop) -> (tokens [R, W], the logits each was drawn from [R, W, V]).
+
+    features [R, W, D] and base [R, W, V] at the window's positions; ``first`` [R] seeds slot 0's previous
+    token (read only by a ``condition_first`` head); offsets [R, W] (slot 0 likewise). One draw per row and
+    slot with the per-row generators, as ``independent_drafts`` draws.
+    """
+    rows = torch.arange(features.shape[0], device=features.device)
+    if next(head.parameters()).device != features.device:
+        head = head.to(features.device)
+    steps = head.start(features, forbid_token(base, mask_id))  # one cached head step per slot
+    tokens, drawn, token = torch.zeros_like(offsets), [], first
+    for j in range(offsets.shape[1]):
+        logits = steps.next(token, offsets[:, j])  # base forbids the mask token: so does the step's sum
+        token = sample_from_logits(logits, temperature, bind_rows(generator, rows))
+        tokens[:, j] = token
+        drawn.append(logits)
+    return tokens, torch.stack(drawn, dim=1)

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, ClassVar
 
-from dllm.defaults import FEF_DRAFT, FEF_HEAD, FEF_WINDOW
+from dllm.defaults import FEF_DRAFT, FEF_WINDOW, default_draft_head
 from dllm.models.draft_head import load_draft_head
 from dllm.protocols import capabilities, is_causal_model, is_diffusion_model
 
@@ -243,7 +243,7 @@ def _check_draft_head(values: dict[str, Any], model) -> None:
     if not capabilities(model).hidden_states:
         raise ValueError(f"draft='head' needs a model that returns its features (Capabilities.hidden_states); "
                          f"{type(model).__name__} declares none: use draft='marginal' or 'stale'")
-    head = values["draft_head"] if values["draft_head"] is not None else FEF_HEAD
+    head = values["draft_head"] if values["draft_head"] is not None else default_draft_head(model)
     try:
         loaded = load_draft_head(head)
     except FileNotFoundError as error:

@@ -19,10 +19,12 @@ keys/values are cached; masked positions are read by queries that see a prefix o
 Exact by construction for every order, temperature and block length: the emitted tokens follow the chain
 of query conditionals of ``sequential`` on this model. Draft logits at a position are the latest query
 there, preferring one that saw exactly the accepted drafts (a valid proposal either way: the test uses
-the very probabilities the drafts were drawn from). fef's ``draft`` option changes nothing here: both
-``marginal`` and ``stale`` take these query logits, which cost no call of their own. ``cache`` may be
-``auto`` or ``none``: the reveal-order cache is exact, so both give the same law. Limit: the draft-logit
-buffer is [B, L, V] float32, fine at this vocabulary, large at a real one (to chunk for LLaDA-size V).
+the very probabilities the drafts were drawn from). fef's ``marginal`` and ``stale`` drafts both take these
+query logits, which cost no call of their own; ``draft="head"`` drafts from a two-stream draft head over
+them and the queries' features (``DraftHeadConfig.condition_first``: step 0 reads the pending correction,
+which those queries did not see), still without a call of its own. ``cache`` may be ``auto`` or ``none``: the reveal-order cache is exact, so both give the same law. Limit: the draft-logit
+buffer is [B, N, V] over the N answer columns (the prompt's are never drafted), in the logits' dtype: 2 GB
+at LLaDA's vocabulary for 8 rows of 512 answer tokens in float32 (to chunk, or keep only live columns).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from dllm.stats import DecodeStats, StepEvent
 
 from .canvas import Canvas
 from .drafters import independent_drafts
+from .fef_head import head_drafts
 from .order import choose_window, top1_probability
 from .verify import Noise, rejection_sample
 
@@ -42,8 +45,8 @@ from .verify import Noise, rejection_sample
 class _Decoding:
     """Canvas, cache and per-row state of one two-stream decode."""
 
-    def __init__(self, model, prompt, gen_length, block_length, mask, eos_token_id):
-        self.model, self.mask_id = model, model.mask_token_id
+    def __init__(self, model, prompt, gen_length, block_length, mask, eos_token_id, head=None):
+        self.model, self.mask_id, self.head = model, model.mask_token_id, head
         self.canvas = Canvas.start(prompt, gen_length, block_length, self.mask_id, eos_token_id)
         batch, length = self.canvas.x.shape
         real = torch.ones_like(self.canvas.x, dtype=torch.bool)
@@ -54,19 +57,27 @@ class _Decoding:
         p = prompt.shape[1]
         # The pending content: the prompt before the first round, then each row's last correction token.
         self.pending = (self.canvas.x[:, :p].clone(), self.positions[:, :p].clone(), real[:, :p].clone())
-        self.draft_logits: torch.Tensor | None = None  # [B, L, V] latest query logits per column
+        self.pending_col = torch.full((batch,), -1, dtype=torch.long, device=prompt.device)  # its canvas column
+        # Latest query logits per answer column (the prompt's columns are never drafted: not stored).
+        self.start = p  # canvas column of the buffers' column 0
+        self.draft_logits: torch.Tensor | None = None  # [B, N, V]
+        self.draft_features: torch.Tensor | None = None  # [B, N, D] their query features (with a head)
         self.have = torch.zeros((batch, length), dtype=torch.bool, device=prompt.device)
 
 
 def decode(model, prompt, gen_length, *, temperature, generator, stats: DecodeStats, order: str, window: int,
            block_length: int, cache: str = "auto", attention_mask=None, eos_token_id=None, callback=None,
-           sampler: str = "sequential") -> torch.Tensor:
-    """Decode ``gen_length`` tokens after ``prompt`` [B, P] -> [B, P + N]; window 0 is ``sequential``."""
+           sampler: str = "sequential", draft_head=None) -> torch.Tensor:
+    """Decode ``gen_length`` tokens after ``prompt`` [B, P] -> [B, P + N]; window 0 is ``sequential``.
+
+    ``draft_head`` (a ``DraftHead`` with ``condition_first``): drafts come from it, step j reading the
+    stored query features and logits at s_j and the token before (the last round's correction at step 0),
+    in W head steps and no extra call; None drafts the stored query logits independently."""
     if cache not in ("auto", "none"):
         raise ValueError(f"cache={cache!r}: a two-stream model decodes with its own exact reveal-order cache; "
                          "use cache='auto'")
     state = _Decoding(CountingModel(model, stats.record), prompt, gen_length, block_length, attention_mask,
-                      eos_token_id)
+                      eos_token_id, draft_head if window else None)
     canvas = state.canvas
     for block in range(canvas.num_blocks):
         state.cache.compact()
@@ -101,7 +112,9 @@ def two_stream_round(state: _Decoding, rows, in_block, temperature, generator, s
     q_col, q_copy, q_valid = _queries(x, candidates, positions, count, order, window, mask_id)
     sees = k_pending + torch.minimum(q_copy, count[:, None])  # lookahead (copy W + 1) sees every valid draft
     logits = state.model.streams(content_ids, content_pos, content_valid, state.positions[rows].gather(1, q_col),
-                                 sees, cache=state.cache, rows=rows, append=True)  # [R, Q, V], counted once
+                                 sees, cache=state.cache, rows=rows, append=True,
+                                 hidden=state.head is not None)  # [R, Q, V], counted once
+    logits, features = logits if state.head is not None else (logits, None)
     logits = forbid_token(logits, mask_id)
 
     # Each copy's pick: the position sequential reveals next after d_<k, from that copy's own queries.
@@ -136,10 +149,11 @@ def two_stream_round(state: _Decoding, rows, in_block, temperature, generator, s
     state.cache.keep(rows, torch.cat([valid, keep], dim=1))
     _set_pending(state, rows, outcome, emitted)
     if window:
-        _store_drafts(state, rows, logits, q_col, q_copy, q_valid, outcome.num_accepted, count)
+        _store_drafts(state, rows, logits, features, q_col, q_copy, q_valid, outcome.num_accepted, count)
     info = {"revealed": emitted}
     if window:
-        info.update(window=positions, drafts=drafts, num_drafts=num_drafts, num_accepted=outcome.num_accepted)
+        info.update(window=positions, drafts=drafts, num_drafts=num_drafts, num_accepted=outcome.num_accepted,
+                    target_logits=target_logits)
     return info
 
 
@@ -150,12 +164,21 @@ def _drafts(state, rows, candidates, temperature, generator, order, window):
         empty = torch.zeros((n, 0), dtype=torch.long, device=rows.device)
         vocab = state.model.vocab_size
         return empty, torch.zeros(n, dtype=torch.long, device=rows.device), empty, torch.zeros((n, 0, vocab), device=rows.device)
-    draft_logits = state.draft_logits[rows]
-    positions, count = choose_window(order, draft_logits, candidates & state.have[rows], state.mask_id, window)
+    draft_logits, start = state.draft_logits[rows], state.start
+    positions, count = choose_window(order, draft_logits, (candidates & state.have[rows])[:, start:], state.mask_id,
+                                     window)  # answer columns; canvas columns below
     index = torch.arange(n, device=rows.device)
-    drafts, window_logits = independent_drafts(draft_logits[index[:, None], positions], state.mask_id,
-                                               temperature, generator)
-    return positions, count, drafts, window_logits
+    if state.head is None:
+        drafts, window_logits = independent_drafts(draft_logits[index[:, None], positions], state.mask_id,
+                                                   temperature, generator)
+        return positions + start, count, drafts, window_logits
+    # The head: step 0 reads the pending correction (which the window's queries did not see) and its offset.
+    columns = positions + start
+    before = torch.cat([state.pending_col[rows, None], columns[:, :-1]], dim=1)
+    drafts, window_logits = head_drafts(state.head, state.draft_features[rows[:, None], positions],
+                                        draft_logits[index[:, None], positions], state.pending[0][rows, 0],
+                                        columns - before, temperature, generator, state.mask_id)
+    return columns, count, drafts, window_logits
 
 
 def _queries(x, candidates, positions, count, order, window, mask_id):
@@ -217,13 +240,17 @@ def _set_pending(state: _Decoding, rows, outcome, emitted) -> None:
     pos[rows, 0] = state.positions[rows].gather(1, column.clamp(min=0)[:, None])[:, 0]
     valid[rows, 0] = has
     state.pending = (ids, pos, valid)
+    state.pending_col[rows] = column
 
 
-def _store_drafts(state, rows, logits, q_col, q_copy, q_valid, num_accepted, count) -> None:
-    """Keep, per column, the query that saw exactly the accepted drafts, else the one that saw the most."""
+def _store_drafts(state, rows, logits, features, q_col, q_copy, q_valid, num_accepted, count) -> None:
+    """Keep, per column, the query that saw exactly the accepted drafts, else the one that saw the most
+    (and its features, with a head)."""
+    batch, length = state.canvas.x.shape
     if state.draft_logits is None:
-        batch, length = state.canvas.x.shape
-        state.draft_logits = torch.zeros((batch, length, logits.shape[-1]), dtype=logits.dtype, device=logits.device)
+        state.draft_logits = logits.new_zeros((batch, length - state.start, logits.shape[-1]))
+    if features is not None and state.draft_features is None:
+        state.draft_features = features.new_zeros((batch, length - state.start, features.shape[-1]))
     seen = torch.minimum(q_copy, count[:, None])
     size = q_col.shape[1]
     priority = ((seen == num_accepted[:, None]).long() * (size + 2) + seen) * size
@@ -232,5 +259,7 @@ def _store_drafts(state, rows, logits, q_col, q_copy, q_valid, num_accepted, cou
     rival = torch.where(same, priority[:, None, :], -1).max(dim=2).values
     best = q_valid & (priority == rival)
     r, q = best.nonzero(as_tuple=True)
-    state.draft_logits[rows[r], q_col[r, q]] = logits[r, q]
+    state.draft_logits[rows[r], q_col[r, q] - state.start] = logits[r, q]
+    if features is not None:
+        state.draft_features[rows[r], q_col[r, q] - state.start] = features[r, q]
     state.have[rows[r], q_col[r, q]] = True

@@ -231,3 +231,26 @@ def test_shipped_head_drafts_for_the_shipped_model():
         seq = dllm.generate(model, prompt, sampler="sequential", max_new_tokens=16, temperature=0.0)
     assert torch.equal(with_head.sequences, seq.sequences)
     assert with_head.stats.drafted > 0
+
+
+@pytest.mark.parametrize("condition_first", [False, True])
+@pytest.mark.parametrize("n_layers", [1, 2])
+def test_cached_head_steps_equal_the_full_pass(condition_first, n_layers):
+    """DraftHead.start(...).next(...) (one cached step per slot, what the samplers run) gives forward's
+    logits on each prefix, for a random head with a non-zero correction."""
+    torch.manual_seed(0)
+    head = DraftHead(DraftHeadConfig(vocab_size=11, backbone_dim=12, dim=16, n_layers=n_layers, n_heads=4,
+                                     mask_token_id=10, condition_first=condition_first)).eval()
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(std=0.3)
+    features, base = torch.randn(3, 6, 12), torch.randn(3, 6, 11)
+    previous, offsets = torch.randint(0, 10, (3, 6)), torch.randint(-20, 20, (3, 6))
+    with torch.no_grad():
+        full = head(features, base, previous, offsets)
+        steps = head.start(features, base)
+        stepped = torch.stack([steps.next(previous[:, j], offsets[:, j]) for j in range(6)], dim=1)
+    assert torch.allclose(stepped, full, atol=1e-5)
+    assert not torch.allclose(full, base)  # the correction is not zero
+    with pytest.raises(IndexError, match="6 steps"):
+        steps.next(previous[:, 0], offsets[:, 0])

@@ -276,3 +276,117 @@ def test_shipped_two_stream_model_greedy_fef_is_sequential():
         runs = [dllm.generate(shipped, prompt, sampler=s, max_new_tokens=32, temperature=0, **o)
                 for s, o in (("sequential", {}), ("fef", {"window": 4}), ("fef", {"window": 4, "block_length": 32}))]
         assert runs[1].exact and all(torch.equal(runs[0].sequences, r.sequences) for r in runs[1:])
+
+
+# ---- fef's draft="head" on this layout (samplers/two_stream.py, dllm/training/two_stream_head.py) ----
+
+
+def _random_head(model, seed=0, scale=3.0):
+    """A condition_first head with a large random correction: its drafts are far from the marginals."""
+    from dllm.models.draft_head import DraftHead, DraftHeadConfig
+
+    torch.manual_seed(seed)
+    head = DraftHead(DraftHeadConfig(vocab_size=VOCAB, backbone_dim=model.config.dim, dim=16, n_heads=2,
+                                     mask_token_id=MASK, condition_first=True))
+    with torch.no_grad():
+        torch.nn.init.normal_(head.out.weight, std=scale)
+    return head.eval()
+
+
+@pytest.mark.parametrize("window", [2, 4])
+@pytest.mark.parametrize("order", ["left_to_right", "confidence"])
+@pytest.mark.parametrize("temperature,block_length", [(1.0, 2), (0.7, 4)])
+def test_fef_with_a_random_head_is_exact(model, window, order, temperature, block_length):
+    law = enumerated_law(model, PROMPT, 4, temperature, order, block_length)
+    out = _sample(model, "fef", 3000, temperature, order, block_length, window=window, draft="head",
+                  draft_head=_random_head(model))
+    assert out.exact
+    assert out.stats.drafted > 0 and out.stats.accepted < out.stats.drafted  # the head's drafts were tested
+    assert chi_square_pvalue(out.sequences[:, 3:], law) > ALPHA
+
+
+def test_head_drafts_reported_as_the_marginals_fail(model, monkeypatch):
+    """The test has power: sampling from the head but handing the verifier the stored marginals is not exact."""
+    import dllm.samplers.two_stream as two_stream
+
+    real = two_stream.head_drafts
+
+    def lying(head, features, base, *args, **kwargs):
+        tokens, _ = real(head, features, base, *args, **kwargs)
+        return tokens, forbid_token(base, MASK)
+
+    monkeypatch.setattr(two_stream, "head_drafts", lying)
+    law = enumerated_law(model, PROMPT, 4, 1.0, "left_to_right", 4)
+    out = _sample(model, "fef", 3000, 1.0, "left_to_right", 4, window=4, draft="head",
+                  draft_head=_random_head(model))
+    assert chi_square_pvalue(out.sequences[:, 3:], law) < ALPHA
+
+
+@pytest.mark.parametrize("order", ["left_to_right", "confidence"])
+def test_greedy_fef_with_a_head_equals_greedy_sequential(model, order):
+    prompts = torch.tensor([[1, 3, 0], [2, 2, 1], [0, 1, 3], [3, 3, 3]])
+    with torch.no_grad():
+        runs = [dllm.generate(model, prompts, sampler=s, max_new_tokens=8, temperature=0, eos_token_id=None,
+                              order=order, block_length=4, **o)
+                for s, o in (("sequential", {}), ("fef", {"window": 3, "draft": "head",
+                                                          "draft_head": _random_head(model)}))]
+    assert torch.equal(runs[0].sequences, runs[1].sequences)
+
+
+def test_an_untrained_head_drafts_the_marginals(model):
+    """Zero correction at init, step 0 included (condition_first): the logits drafts are drawn from are the
+    stored query logits, so an untrained head is fef's plain two-stream drafting."""
+    from dllm.models.draft_head import DraftHead
+    from dllm.samplers.fef_head import head_drafts
+
+    head = DraftHead(_random_head(model).config).eval()
+    torch.manual_seed(1)
+    features, base = torch.randn(3, 4, model.config.dim), torch.randn(3, 4, VOCAB)
+    offsets = torch.ones(3, 4, dtype=torch.long)
+    tokens, logits = head_drafts(head, features, base, torch.tensor([0, 1, 2]), offsets, 1.0,
+                                 torch.Generator().manual_seed(0), MASK)
+    assert torch.equal(logits, forbid_token(base, MASK)) and bool((tokens != MASK).all())
+    moved = head_drafts(_random_head(model), features, base, torch.tensor([0, 1, 2]), offsets, 1.0,
+                        torch.Generator().manual_seed(0), MASK)[1]
+    assert not torch.allclose(moved[:, 0], logits[:, 0])  # a trained-like head corrects step 0 too
+
+
+def test_recorded_rounds_carry_the_chain_conditionals(model):
+    """collect(): the first drafting round's slot-0 target is the query at s_0 given the prompt and the
+    token revealed before it (an uncached call), and that token is the head's slot-0 input."""
+    from dllm.training.two_stream_head import collect
+
+    prompt = [1, 3, 0]
+    win = collect(model, [prompt], _random_head(model), window=3, temperature=0.0,
+                  generator=torch.Generator().manual_seed(0), batch_size=1, max_new_tokens=8, dtype=torch.float32)
+    assert len(win) > 1 and bool((win.count <= 3).all()) and bool(win.trained()[:, 0].all())
+    with torch.no_grad():
+        y = dllm.generate(model, torch.tensor([prompt]), sampler="sequential", max_new_tokens=8, temperature=0,
+                          eos_token_id=None, block_length=8).sequences[0]
+        # Round 1 reveals column 3 alone; round 2 drafts columns 4, 5, 6 after it.
+        expected = model.streams(y[None, :4], torch.arange(4)[None], torch.ones(1, 4, dtype=torch.bool),
+                                 torch.tensor([[4]]), torch.tensor([[4]]))[0, 0]
+    assert int(win.previous[0, 0]) == int(y[3]) and int(win.offsets[0, 0]) == 1
+    assert torch.allclose(win.targets[0, 0, :MASK], expected[:MASK], atol=1e-4)
+
+
+def test_two_stream_head_recipe_trains_a_loadable_head(tmp_path):
+    from dllm.models.draft_head import DraftHead
+    from dllm.training.recipes import run_recipe
+
+    if not (SHIPPED / "model.safetensors").exists():
+        pytest.skip("shipped weights not present")
+    assert run_recipe("two-stream-head", ["--prompts", "8", "--steps", "3", "--output", str(tmp_path / "h")]) == 0
+    head = DraftHead.from_pretrained(tmp_path / "h")
+    assert head.config.condition_first
+    report = (tmp_path / "h" / "train.json").read_text()
+    assert '"heldout"' in report and '"train_windows"' in report
+    assert run_recipe("two-stream-head", ["--steps", "0", "--output", str(tmp_path / "x")]) == 2
+
+
+def test_a_head_for_another_vocabulary_is_refused_by_name(model):
+    from dllm.models.draft_head import DraftHead, DraftHeadConfig
+
+    other = DraftHead(DraftHeadConfig(vocab_size=VOCAB + 3, backbone_dim=model.config.dim, dim=16, n_heads=2))
+    with pytest.raises(ValueError, match="draft_head"):
+        _sample(model, "fef", 2, 1.0, "left_to_right", 4, window=2, draft="head", draft_head=other)

@@ -5,7 +5,8 @@ already makes), the embedding of the previous draft d_{j-1}, the offset s_j - s_
 and attends causally to steps 0..j-1, so draft j is conditioned on drafts 0..j-1 as the verifier's
 target is. Its logits are the backbone's own marginal at s_j plus a learned correction (zero-initialised:
 an untrained head drafts exactly the marginals). Step 0 keeps the marginal untouched: copy 0 of the
-verify call is the state itself, so the marginal there is already the target.
+verify call is the state itself, so the marginal there is already the target. A head for the two-stream
+layout (``condition_first``) corrects step 0 too, reading the token emitted just before the window.
 
 Saved as a folder like ``TransformerLM.save_pretrained``: ``config.json`` and ``model.safetensors``.
 Exactness never depends on the head: fef tests drafts against the very logits they were sampled from.
@@ -22,6 +23,7 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 CONFIG_NAME = "config.json"
@@ -41,8 +43,14 @@ class DraftHeadConfig:
     max_window: int = 16  # step embeddings; later steps share the last one
     max_offset: int = 16  # |s_j - s_{j-1}| beyond this shares the extreme embedding
     mask_token_id: int | None = None  # never drafted
+    # Step 0 also reads the token emitted just before the window and its offset, and is corrected: on a
+    # two-stream model the window's first query did not see that token (samplers/two_stream.py). False for
+    # fef on a block-diffusion model, whose step 0 is the state's own marginal, already the target.
+    condition_first: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.condition_first, bool):
+            raise ValueError(f"DraftHeadConfig.condition_first must be a bool, got {self.condition_first!r}")
         for name in ("vocab_size", "backbone_dim", "dim", "n_layers", "n_heads", "max_window", "max_offset"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -97,14 +105,15 @@ class DraftHead(nn.Module):
         self,
         features: Tensor,  # [R, J, D] backbone features at s_0..s_{J-1}
         base_logits: Tensor,  # [R, J, V] the backbone's marginals there
-        previous: Tensor,  # [R, J] long: d_{j-1} at slot j (slot 0 is ignored)
-        offsets: Tensor,  # [R, J] long: s_j - s_{j-1} (slot 0 is ignored)
+        previous: Tensor,  # [R, J] long: d_{j-1} at slot j (slot 0: the token before the window, or ignored)
+        offsets: Tensor,  # [R, J] long: s_j - s_{j-1} (slot 0: from that token's position, or ignored)
     ) -> Tensor:
         """Draft logits for steps 0..J-1, step j attending to steps <= j -> [R, J, V] float32."""
         self.check_backbone(base_logits.shape[-1], features.shape[-1])
         steps = features.shape[1]
         j = torch.arange(steps, device=features.device)
-        later = (j > 0)[None, :]  # step 0 has no previous draft: its token and offset inputs are dropped
+        # Step 0 has no previous draft: its token and offset inputs are dropped, unless condition_first.
+        later = ((j > 0) | self.config.condition_first)[None, :]
         limit = self.config.max_offset
         weight = self.feature_in.weight
         h = self.feature_in(features.to(weight.dtype)) + self.step_in(j.clamp(max=self.config.max_window - 1))[None]
@@ -118,6 +127,13 @@ class DraftHead(nn.Module):
         if self.config.mask_token_id is not None and self.config.mask_token_id < logits.shape[-1]:
             logits[..., self.config.mask_token_id] = float("-inf")
         return logits
+
+    def start(self, features: Tensor, base_logits: Tensor) -> HeadSteps:
+        """Draft a window step by step: ``start(features [R, W, D], base_logits [R, W, V]).next(previous [R],
+        offset [R]) -> logits [R, V]`` for steps 0, 1, ... in turn, each attending to the earlier steps' cached
+        keys and values: ``forward``'s logits on the prefix, at one step's cost instead of the prefix's."""
+        self.check_backbone(base_logits.shape[-1], features.shape[-1])
+        return HeadSteps(self, features, base_logits)
 
     def save_pretrained(self, folder: str | Path) -> None:
         """Write ``config.json`` (with kind) and ``model.safetensors`` to ``folder``."""
@@ -141,6 +157,66 @@ class DraftHead(nn.Module):
             raise ValueError(f"{folder / WEIGHTS_NAME} does not match its config: missing {missing}, "
                              f"unexpected {unexpected}")
         return head.to(device=device).eval()
+
+
+class HeadSteps:
+    """A window's incremental head pass (``DraftHead.start``); no gradient.
+
+    Written out because the window's steps are sequential (step j reads draft j-1, sampled from step j-1):
+    ``nn.TransformerEncoderLayer`` has no key/value cache, and re-running it on each prefix costs W passes of
+    PyTorch call overhead per step. The arithmetic is the layer's own (pre-norm attention, then pre-norm
+    GELU MLP, on its weights); tests/test_fef_head.py checks the logits equal ``forward``'s.
+    """
+
+    def __init__(self, head: DraftHead, features: Tensor, base_logits: Tensor):
+        config = head.config
+        self.config, self.j, self.base = config, 0, base_logits.float()
+        steps = torch.arange(features.shape[1], device=features.device).clamp(max=config.max_window - 1)
+        with torch.no_grad():
+            self.inputs = head.feature_in(features.to(head.feature_in.weight.dtype)) + head.step_in(steps)[None]
+        # The weights as plain tensors: a step is ~30 small ops, and module calls would double its cost.
+        self.token_in, self.offset_in = head.token_in.weight, head.offset_in.weight
+        self.layers = [(layer.norm1, layer.self_attn.in_proj_weight, layer.self_attn.in_proj_bias,
+                        layer.self_attn.out_proj.weight, layer.self_attn.out_proj.bias, layer.norm2,
+                        layer.linear1.weight, layer.linear1.bias, layer.linear2.weight, layer.linear2.bias)
+                       for layer in head.layers]
+        self.norm, self.out = head.norm, (head.out.weight, head.out.bias)
+        self.keys: list[Tensor | None] = [None] * len(self.layers)
+        self.values: list[Tensor | None] = [None] * len(self.layers)
+
+    @torch.no_grad()
+    def next(self, previous: Tensor, offset: Tensor) -> Tensor:
+        """Logits of the next step [R, V] given the token before it [R] and its offset [R] (both ignored at
+        step 0 unless ``condition_first``)."""
+        config, j = self.config, self.j
+        if j >= self.inputs.shape[1]:
+            raise IndexError(f"the window has {self.inputs.shape[1]} steps; step {j} asked")
+        h = self.inputs[:, j]
+        later = j > 0 or config.condition_first
+        if later:
+            limit = config.max_offset
+            h = h + self.token_in[previous.clamp(min=0)] + self.offset_in[offset.clamp(-limit, limit) + limit]
+        rows, heads = h.shape[0], config.n_heads
+        for index, (norm1, w_qkv, b_qkv, w_o, b_o, norm2, w_1, b_1, w_2, b_2) in enumerate(self.layers):
+            y = F.layer_norm(h, norm1.normalized_shape, norm1.weight, norm1.bias, norm1.eps)
+            q, k, v = F.linear(y, w_qkv, b_qkv).reshape(rows, 3, heads, 1, -1).unbind(1)  # [R, H, 1, dim / H]
+            if self.keys[index] is not None:
+                k = torch.cat([self.keys[index], k], dim=2)
+                v = torch.cat([self.values[index], v], dim=2)
+            self.keys[index], self.values[index] = k, v
+            h = h + F.linear(F.scaled_dot_product_attention(q, k, v).reshape(rows, -1), w_o, b_o)
+            y = F.layer_norm(h, norm2.normalized_shape, norm2.weight, norm2.bias, norm2.eps)
+            h = h + F.linear(F.gelu(F.linear(y, w_1, b_1)), w_2, b_2)
+        if later:
+            norm = self.norm
+            y = F.layer_norm(h, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+            logits = self.base[:, j] + F.linear(y, *self.out).float()
+        else:
+            logits = self.base[:, j].clone()
+        if config.mask_token_id is not None and config.mask_token_id < logits.shape[-1]:
+            logits[:, config.mask_token_id] = float("-inf")
+        self.j += 1
+        return logits
 
 
 def load_draft_head(value: str | Path | DraftHead, device: str | torch.device | None = None) -> DraftHead:

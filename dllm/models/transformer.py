@@ -565,15 +565,8 @@ class TransformerLM(nn.Module):
 
     def _hidden(self, input_ids, position_ids, query_valid, explicit, cache, use_cache, block_offset) -> Tensor:
         """Last-layer states of the inputs (before the final norm), appended to ``cache`` if asked.  # [B, L, dim]"""
-        self._check_positions(position_ids)
         mask = self._attention_mask(position_ids, query_valid, explicit, cache, block_offset)
-        cos, sin = self.rotary(position_ids)
-        h = self.tok_embeddings(input_ids)
-        new_kv = []
-        for index, layer in enumerate(self.layers):
-            past = cache.layer(index) if cache is not None and cache.length else None
-            h, k, v = layer(h, cos, sin, mask, past)
-            new_kv.append((k, v))
+        h, new_kv = self.layer_states(input_ids, position_ids, mask, cache)
         if use_cache:
             cache.append(new_kv, position_ids, query_valid, h if self.config.shift_logits else None)
         return h
@@ -656,6 +649,29 @@ class TransformerLM(nn.Module):
             mask = explicit
         mask = _never_empty(mask & key_valid[:, None, :], n_past=past_pos.shape[1])
         return rearrange(mask, "b q k -> b 1 q k")
+
+    def layer_states(self, input_ids: Tensor, position_ids: Tensor, mask: Tensor,
+                     cache: KVCache | None = None) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
+        """The layers under a given mask: last-layer states [B, L, dim] (before the final norm) and each
+        layer's new keys/values [B, H, L, head_dim], the cache left as it is.
+
+        mask: [B, 1, L, cached + L] bool (True = attend) over ``cache``'s keys then the inputs'. Other
+        attention layouts over these weights call this (``dllm.models.two_stream``)."""
+        self._check_positions(position_ids)
+        cos, sin = self.rotary(position_ids)
+        h = self.tok_embeddings(input_ids)
+        new_kv = []
+        for index, layer in enumerate(self.layers):
+            past = cache.layer(index) if cache is not None and cache.length else None
+            h, k, v = layer(h, cos, sin, mask, past)
+            new_kv.append((k, v))
+        return h, new_kv
+
+    def head(self, h: Tensor, hidden: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+        """Logits [B, L, V] float32 of last-layer states ``h`` (final norm, output projection, the mask token
+        forbidden outside the causal layout); ``hidden``: ``(logits, final-normed features)``."""
+        features = self.norm(h)
+        return (self._project(features), features) if hidden else self._project(features)
 
     def _logits(self, h: Tensor) -> Tensor:
         """Final norm and output projection, as float32.  # [B, L, dim] -> [B, L, V]"""

@@ -106,9 +106,10 @@ class TwoStreamLM(nn.Module):
 
     @property
     def capabilities(self) -> Capabilities:
-        """Padding and the reveal-order cache with its one-pass exact verifier (dllm.protocols)."""
+        """Padding, features (draft heads) and the reveal-order cache with its one-pass exact verifier."""
         return Capabilities(accepts_attention_mask=True, context_length=self.config.max_seq_len,
-                            block_size=self.block_size, reveal_order_cache=True, one_pass_exact=True)
+                            block_size=self.block_size, reveal_order_cache=True, one_pass_exact=True,
+                            hidden_states=True)
 
     @property
     def context_length(self) -> int:
@@ -127,9 +128,11 @@ class TwoStreamLM(nn.Module):
         cache: RevealCache | None = None,
         rows: Tensor | None = None,  # [R] cache rows (default all)
         append: bool = False,
-    ) -> Tensor:
+        hidden: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
         """Query logits [R, Q, V]: the token at query_pos given cache + content[:sees]; with ``append`` the
-        content's keys/values join the cache (tentatively: ``RevealCache.keep`` drops rejected ones)."""
+        content's keys/values join the cache (tentatively: ``RevealCache.keep`` drops rejected ones).
+        ``hidden``: ``(logits, features [R, Q, dim])``, the final-normed query states (a draft head's input)."""
         n, width = content_ids.shape
         if rows is None:
             rows = torch.arange(n, device=content_ids.device)
@@ -139,38 +142,27 @@ class TwoStreamLM(nn.Module):
         mask = _stream_mask(content_valid, query_sees)  # [R, C + Q, C + Q]
         if past is not None and past.length:
             mask = torch.cat([past.valid[:, None, :].expand(-1, mask.shape[1], -1), mask], dim=2)
-        h, new_kv = self._run(tokens, positions, mask, past)
+        h, new_kv = self.base.layer_states(tokens, positions, rearrange(mask, "b q k -> b 1 q k"), past)
         if append:
             if cache is None:
                 raise ValueError("streams(append=True) needs a cache")
             cache.extend(rows, [(k[:, :, :width], v[:, :, :width]) for k, v in new_kv], content_pos, content_valid)
-        return self.base._logits(h[:, width:])
+        return self.base.head(h[:, width:], hidden=hidden)
 
-    def _run(self, tokens: Tensor, positions: Tensor, mask: Tensor, past: KVCache | None):
-        """The base model's layers under an explicit mask.  # -> (h [R, L, dim], per-layer (k, v))"""
-        self.base._check_positions(positions)
-        cos, sin = self.base.rotary(positions)
-        h = self.base.tok_embeddings(tokens)
-        attend = rearrange(mask, "b q k -> b 1 q k")
-        new_kv = []
-        for index, layer in enumerate(self.base.layers):
-            layer_past = past.layer(index) if past is not None and past.length else None
-            h, k, v = layer(h, cos, sin, attend, layer_past)
-            new_kv.append((k, v))
-        return h, new_kv
-
-    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, block_offset=None) -> Tensor:
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, block_offset=None,
+                return_hidden: bool = False) -> Tensor | tuple[Tensor, Tensor]:
         """The DiffusionModel call: revealed tokens in position order, a query at every position.  # [B, L, V]
 
         attention_mask: [B, L] 0/1 left padding (positions then start at each row's first real token).
         block_offset: accepted and unused (no block mask here: blocks only steer the samplers' order).
+        return_hidden: ``(logits, features)`` as ``TransformerLM.forward``.
         """
         real = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         positions = positions_from_mask(real)
         revealed = real & (input_ids != self.mask_token_id)
         # Query at i sees the revealed tokens at positions < i and > i alike: all of them.
         sees = torch.full_like(input_ids, input_ids.shape[1])
-        return self.streams(input_ids, positions, revealed, positions, sees)
+        return self.streams(input_ids, positions, revealed, positions, sees, hidden=return_hidden)
 
     def save_pretrained(self, folder: str | Path) -> None:
         """The base's files plus the two-stream marker."""

@@ -39,6 +39,21 @@ class ChainWindows:
         return ChainWindows(self.features[index].float(), self.base[index].float(), self.targets[index].float(),
                             self.chain[index], self.count[index])
 
+    def inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The head's arguments: (features, base, previous, offsets), the chain's tokens as the drafts."""
+        from dllm.training.fef_head import previous_of
+
+        previous, offsets = previous_of(self.chain, self._slots())
+        return self.features, self.base, previous, offsets
+
+    def trained(self) -> torch.Tensor:
+        """Slots trained [N, W]: 1..count-1 (slot 0 is the state's own marginal: exact already)."""
+        slots = self._slots()
+        return (slots >= 1) & (slots < self.count[:, None])
+
+    def _slots(self) -> torch.Tensor:
+        return torch.arange(self.chain.shape[1])[None].expand_as(self.chain)
+
     @staticmethod
     def cat(parts: list[ChainWindows]) -> ChainWindows:
         """Concatenate along the window axis."""
@@ -114,13 +129,15 @@ def chain_acceptance(head, win: ChainWindows, greedy: bool) -> dict:
     return out
 
 
-def train_head(head, windows: ChainWindows, objective: str, steps: int, batch_size: int, lr: float,
+def train_head(head, windows, objective: str, steps: int, batch_size: int, lr: float,
                generator: torch.Generator, mask_id: int, warmup: int = 50, log=print) -> list[float]:
-    """Fit ``head`` to cached chain windows (the backbone is not called: a step costs one head pass)."""
+    """Fit ``head`` to cached windows (the backbone is not called: a step costs one head pass).
+
+    ``windows``: ChainWindows, or anything with ``len``, ``take(index)`` and, on what it takes, ``inputs()``
+    (the head's arguments), ``targets`` [n, W, V] and ``trained()`` [n, W] (dllm/training/two_stream_head.py)."""
     import math
 
     from dllm.training.draft_losses import draft_loss
-    from dllm.training.fef_head import previous_of
 
     optimizer = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (
@@ -128,10 +145,8 @@ def train_head(head, windows: ChainWindows, objective: str, steps: int, batch_si
     losses = []
     for step in range(steps):
         win = windows.take(torch.randint(len(windows), (batch_size,), generator=generator))
-        positions = torch.arange(win.chain.shape[1])[None].expand_as(win.chain)
-        previous, offsets = previous_of(win.chain, positions)
-        logits = head(win.features, win.base, previous, offsets)
-        valid = (positions >= 1) & (positions < win.count[:, None])  # slot 0 is the state's own marginal: exact
+        logits = head(*win.inputs())
+        valid = win.trained()
         # The mask token is -inf in both: drop its column (0 * -inf terms give a NaN gradient otherwise).
         keep = torch.arange(logits.shape[-1]) != mask_id
         loss = draft_loss(objective, logits[..., keep], win.targets[..., keep], valid=valid)

@@ -15,6 +15,7 @@ RECIPES: dict[str, str] = {
     "prefix-conditioned": "dllm.training.prefix",  # the two-stream layout's any-order objective (issue 15)
     "fef-head": "dllm.training.fef_head",  # fef draft head on a frozen block-diffusion backbone
     "fef-head-chain": "dllm.training.fef_chain",  # the same head on the backbone's own chains (shipped head)
+    "two-stream-head": "dllm.training.two_stream_head",  # a fef head on a two-stream model, from fef's rounds
     "eagle-head": "dllm.training.ar_heads:eagle_main",
     "repair-head": "dllm.training.ar_heads:repair_main",
 }
