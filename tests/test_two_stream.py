@@ -390,3 +390,75 @@ def test_a_head_for_another_vocabulary_is_refused_by_name(model):
     other = DraftHead(DraftHeadConfig(vocab_size=VOCAB + 3, backbone_dim=model.config.dim, dim=16, n_heads=2))
     with pytest.raises(ValueError, match="draft_head"):
         _sample(model, "fef", 2, 1.0, "left_to_right", 4, window=2, draft="head", draft_head=other)
+
+
+def _pairs_file(tmp_path, records):
+    import json
+
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_pairs_are_laid_out_as_answer_regions_and_ordered_by_seed_and_step(tmp_path):
+    from dllm.data.tokenizer import load_tokenizer
+    from dllm.training.pairs import load_pairs
+
+    tokenizer = load_tokenizer(Path(dllm.__file__).parent / "weights" / "diffusion" / "tokenizer.json")
+    records = [{"prompt": f"Question: what is {i} + 1?\nAnswer:", "response": f"{i} + 1 = {i + 1}. #### {i + 1}"}
+               for i in range(10)] + [{"prompt": "long " * 300, "response": "x"}]
+    data = load_pairs(str(_pairs_file(tmp_path, records)), tokenizer, block_size=8, max_tokens=256)
+    assert len(data.examples) == 10 and data.dropped == 1
+    eos = tokenizer.eos_token_id
+    for example in data.examples:
+        assert len(example.region) % 8 == 0 and example.region[example.answer_tokens - 1:] == (eos,) * (
+            len(example.region) - example.answer_tokens + 1)
+        assert len(example.region) - example.answer_tokens >= 8  # one all-EOS block after the end
+    # Pure function of (seed, step); shards of two processes make up the one-process batch; every
+    # pair once per epoch.
+    assert data.step_examples(0, 3, 4) == data.step_examples(0, 3, 4)
+    assert data.step_examples(0, 3, 4) != data.step_examples(1, 3, 4)
+    merged = data.step_examples(0, 3, 4, 0, 2) + data.step_examples(0, 3, 4, 1, 2)
+    assert sorted(map(id, merged)) == sorted(map(id, data.step_examples(0, 3, 4)))
+    epoch = [e for step in range(5) for e in data.step_examples(7, step, 2)]
+    assert sorted(map(id, epoch)) == sorted(map(id, data.examples))
+
+
+def test_pairs_are_checked_by_name(tmp_path):
+    from dllm.data.tokenizer import load_tokenizer
+    from dllm.training.pairs import load_pairs
+    from dllm.training.prefix import PrefixConfig
+
+    tokenizer = load_tokenizer(Path(dllm.__file__).parent / "weights" / "diffusion" / "tokenizer.json")
+    with pytest.raises(ValueError, match="'question' and 'answer'"):
+        load_pairs(str(_pairs_file(tmp_path, [{"prompt": "a", "response": "b"}])), tokenizer, block_size=8,
+                   max_tokens=64, prompt_field="question", response_field="answer")
+    with pytest.raises(ValueError, match="no such file"):
+        load_pairs(str(tmp_path / "missing.jsonl"), tokenizer, block_size=8, max_tokens=64)
+    with pytest.raises(ValueError, match="prefix.max_tokens"):
+        PrefixConfig(max_tokens=1)
+    chat = [{"messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": "again"}]}]
+    with pytest.raises(ValueError, match="assistant"):
+        load_pairs(str(_pairs_file(tmp_path, chat)), tokenizer, block_size=8, max_tokens=64)
+
+
+def test_prefix_conditioned_recipe_trains_on_pairs(tmp_path):
+    """``--set prefix.pairs=FILE``: the recipe trains on the pairs (and says how many and how many epochs)."""
+    from dllm.train import main
+
+    shipped = Path(__file__).resolve().parents[1] / "dllm" / "weights" / "diffusion"
+    init = tmp_path / "init"
+    torch.manual_seed(0)
+    TransformerLM(TransformerConfig(vocab_size=495, dim=32, n_layers=1, n_heads=2, max_seq_len=256,
+                                    layout="block_causal", block_size=8, mask_token_id=2, eos_token_id=1,
+                                    pad_token_id=0)).save_pretrained(init)
+    (init / "tokenizer.json").write_bytes((shipped / "tokenizer.json").read_bytes())
+    pairs = _pairs_file(tmp_path, [{"prompt": f"Question: {i} + 2?\nAnswer:", "response": f"#### {i + 2}"}
+                                   for i in range(6)])
+    settings = ["train.steps=3", "train.batch_size=4", "train.micro_batch_size=2", "train.log_every=1",
+                "train.eval_every=3", "train.eval_problems=2", "train.warmup_steps=1", f'prefix.pairs="{pairs}"']
+    config = Path(__file__).resolve().parents[1] / "configs" / "prefix_conditioned.toml"
+    args = ["--recipe", "prefix-conditioned", "--config", str(config), "--init", str(init), "--output",
+            str(tmp_path / "run")]
+    assert main(args + [a for s in settings for a in ("--set", s)]) == 0
+    assert isinstance(dllm.load(tmp_path / "run" / "model"), TwoStreamLM)

@@ -12,8 +12,9 @@ position order: the states left-to-right decoding visits). One forward scores ev
 query that sees the prompt and the tokens revealed before it: the exact log-likelihood of the region
 under that order, i.e. the chain ``sequential`` samples (dllm/models/two_stream.py). The loss is its mean
 over region tokens. Data order and noise are pure functions of (seed, step, process), as in
-``dllm.training.batches``; the loop runs under accelerate (CPU processes here, GPUs for a LLaDA or Dream
-checkpoint read by ``dllm/models/native.py``).
+``dllm.training.batches``. ``[prefix] pairs = FILE_OR_DATASET`` trains on prompt-response pairs instead
+(dllm/training/pairs.py: the FeF paper's data shape, chat-templated prompts). The loop runs under
+accelerate (CPU processes here, GPUs for a LLaDA or Dream checkpoint read by ``dllm/models/native.py``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import argparse
 import json
 import time
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -43,8 +44,24 @@ class PrefixConfig:
 
     block_size: int = 8
     left_to_right_prob: float = 0.5
+    # Prompt-response pairs (dllm/training/pairs.py) instead of the synthetic stream: a data file or a hub
+    # dataset name; None trains on ``data.preset``'s problems.
+    pairs: str | None = None
+    prompt_field: str = "prompt"
+    response_field: str = "response"
+    chat_template: bool = True  # prompts through the tokenizer's chat template, where it has one
+    max_tokens: int = 2048  # longer pairs (prompt + answer region) are dropped at load
 
     def __post_init__(self) -> None:
+        if self.pairs is not None and (not isinstance(self.pairs, str) or not self.pairs):
+            raise ValueError(f"prefix.pairs must be a data file or a dataset name, got {self.pairs!r}")
+        for name in ("prompt_field", "response_field"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(f"prefix.{name} must be a column name, got {getattr(self, name)!r}")
+        if not isinstance(self.chat_template, bool):
+            raise ValueError(f"prefix.chat_template must be true or false, got {self.chat_template!r}")
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 2:
+            raise ValueError(f"prefix.max_tokens must be an int >= 2, got {self.max_tokens!r}")
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValueError(f"prefix.block_size must be a positive int, got {self.block_size!r}")
         if not isinstance(self.left_to_right_prob, int | float) or not 0 <= self.left_to_right_prob <= 1:
@@ -130,9 +147,10 @@ def read_config(path: str, overrides: list[str]):
             parsed = text
         values.setdefault(table, {})[key] = parsed
     prefix = values.pop("prefix", {})
-    unknown = sorted(set(prefix) - {"block_size", "left_to_right_prob"})
+    allowed = [f.name for f in fields(PrefixConfig)]
+    unknown = sorted(set(prefix) - set(allowed))
     if unknown:
-        raise ValueError(f"unknown [prefix] keys {unknown}; allowed keys: ['block_size', 'left_to_right_prob']")
+        raise ValueError(f"unknown [prefix] keys {unknown}; allowed keys: {allowed}")
     return config_from_dict(values), PrefixConfig(**prefix)
 
 
@@ -172,9 +190,24 @@ def train(run, prefix: PrefixConfig, init: str, output: str, native: str | None 
     out.mkdir(parents=True, exist_ok=True)
     log, start = [], time.time()
     inner = accelerator.unwrap_model(model)
+    pairs = None
+    if prefix.pairs is not None:
+        from dllm.training.pairs import load_pairs
+
+        pairs = load_pairs(prefix.pairs, tokenizer, block_size=prefix.block_size, max_tokens=prefix.max_tokens,
+                           prompt_field=prefix.prompt_field, response_field=prefix.response_field,
+                           chat_template=prefix.chat_template)
+        if accelerator.is_main_process:
+            epochs = opt.steps * opt.batch_size / len(pairs.examples)
+            print(json.dumps({"pairs": len(pairs.examples), "dropped_longer_than_max_tokens": pairs.dropped,
+                              "epochs": round(epochs, 3)}), flush=True)
     for step in range(opt.steps):
-        problems = step_problems(opt.seed, step, opt.batch_size, rank, world, PRESETS[run.data.preset])
-        examples = tokenize_problems(problems, tokenizer, "block_causal", prefix.block_size, run.data.answer_length)
+        if pairs is not None:
+            examples = pairs.step_examples(opt.seed, step, opt.batch_size, rank, world)
+        else:
+            problems = step_problems(opt.seed, step, opt.batch_size, rank, world, PRESETS[run.data.preset])
+            examples = tokenize_problems(problems, tokenizer, "block_causal", prefix.block_size,
+                                         run.data.answer_length)
         chunks = micro_batches(examples, opt.micro_batch_size)
         total = sum(len(e.region) for e in examples) * world  # the same normaliser on every process
         loss_sum = 0.0
