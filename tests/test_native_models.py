@@ -6,6 +6,7 @@ saved by the real classes; ``reference_model`` runs that code (test-only). The p
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -373,3 +374,30 @@ def test_transformers_5_rope_parameters_are_read_or_refused(tmp_path, folders):
         (folder / "config.json").write_text(json.dumps(config))
         with pytest.raises(ValueError, match=message):
             dllm.load(folder)
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_prefix_conditioned_recipe_fine_tunes_a_hub_checkpoint(tmp_path, folders, family):
+    """The FeF fine-tuning path, run: ``--native`` reads a hub-layout checkpoint (the real config keys and
+    weights), the recipe trains on prompt-response pairs and saves a two-stream folder whose exact
+    samplers then run (greedy fef == greedy sequential)."""
+    from dllm.models.two_stream import TwoStreamLM
+    from dllm.train import main
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": f"what is {i} + 1", "response": f"{i + 1}"}) + "\n"
+                             for i in range(8)))
+    settings = ["train.steps=2", "train.batch_size=4", "train.micro_batch_size=2", "train.log_every=1",
+                "train.eval_every=2", "train.eval_problems=2", "train.warmup_steps=1", f'prefix.pairs="{pairs}"']
+    config = Path(__file__).resolve().parents[1] / "configs" / "prefix_conditioned.toml"
+    args = ["--recipe", "prefix-conditioned", "--config", str(config), "--init",
+            str(folders(family)), "--native", family, "--output", str(tmp_path / "run")]
+    assert main(args + [a for s in settings for a in ("--set", s)]) == 0
+    model = dllm.load(tmp_path / "run" / "model")
+    assert isinstance(model, TwoStreamLM) and model.capabilities.one_pass_exact
+    before = load_native(folders(family), family)
+    assert not torch.equal(model.base.layers[0].attn.wqkv.weight, before.layers[0].attn.wqkv.weight)
+    with torch.no_grad():
+        runs = [dllm.generate(model, PROMPTS[:1], sampler=s, max_new_tokens=8, temperature=0, **o)
+                for s, o in (("sequential", {}), ("fef", {"window": 3}))]
+    assert torch.equal(runs[0].sequences, runs[1].sequences)
