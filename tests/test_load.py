@@ -166,3 +166,13 @@ def test_folder_without_tokenizer_loads_with_none(tmp_path, folders):
     model = load(folder)
     assert model.tokenizer is None and model.eos_token_id == 1  # from config.json
     assert load(folder, tokenizer=folders("llama")).tokenizer is not None
+
+
+def test_bare_names_of_shipped_models_load_from_the_package():
+    """``dllm.load("diffusion")`` is the shipped folder (no hub lookup); a name with a slash stays a hub id."""
+    from dllm.models.loading import SHIPPED, _local_folder
+    from dllm.models.two_stream import TwoStreamLM
+
+    assert _local_folder("diffusion") == SHIPPED / "diffusion"
+    assert _local_folder("someone/diffusion") is None
+    assert isinstance(dllm.load("two_stream"), TwoStreamLM)

@@ -32,7 +32,8 @@ def load(name_or_path: str | os.PathLike, kind: str = "auto", device: str | torc
     kw: ``mask_token_id`` (override, diffusion kinds), ``tokenizer`` (a tokenizer, or a path to load one from),
     ``device_map`` (native llada/dream: accelerate placement), ``trust_remote_code``; the rest goes to
     ``from_pretrained`` (revision, ...).
-    A local folder never reaches the network (local_files_only=True); a hub id goes to transformers as is.
+    A local folder never reaches the network (local_files_only=True), nor does the bare name of a model this
+    package ships (``dllm.load("two_stream")``: ``dllm/weights/two_stream``); a hub id goes to transformers as is.
     """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {list(KINDS)}, got {kind!r}")
@@ -117,11 +118,18 @@ def _check_dtype(dtype) -> torch.dtype | None:
     return dtype
 
 
+SHIPPED = Path(__file__).resolve().parents[1] / "weights"  # the models this package ships (their READMEs)
+
+
 def _local_folder(name_or_path) -> Path | None:
-    """The folder when ``name_or_path`` is one on disk; None for a hub id; an error for a missing path."""
+    """The folder when ``name_or_path`` is one on disk or the bare name of a shipped model (``"diffusion"``,
+    ``"two_stream"``, ...: ``dllm/weights/<name>``); None for a hub id; an error for a missing path."""
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return path
+    text = str(name_or_path)
+    if isinstance(name_or_path, str) and text and "/" not in text and (SHIPPED / text / "config.json").is_file():
+        return SHIPPED / text
     if isinstance(name_or_path, os.PathLike) or str(name_or_path).startswith((".", "/", "~")) or path.exists():
         raise FileNotFoundError(f"name_or_path {str(name_or_path)!r} is not a folder (nor a hub id)")
     return None
