@@ -501,19 +501,11 @@ def _round_up(value: int, multiple: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """lm-eval's command line with the `dllm` model registered: `python -m dllm.eval.lm_eval_plugin run ...`.
+    """lm-eval's command line with the `dllm` model registered (``dllm.eval.lm_eval_cli``, the console
+    script ``dllm-lm-eval``, which imports nothing heavy before its guard)."""
+    from dllm.eval.lm_eval_cli import main as cli_main
 
-    An error (a bad model_args key or value, a missing task) ends in one line, as every dllm command's."""
-    from dllm.cli import run_guarded
-
-    def evaluate() -> int:
-        from lm_eval.__main__ import cli_evaluate
-
-        sys.argv = [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
-        cli_evaluate()
-        return 0
-
-    return run_guarded("lm-eval", evaluate)
+    return cli_main(argv)
 
 
 if __name__ == "__main__":

@@ -286,9 +286,10 @@ def test_ctrl_c_while_the_cli_starts_is_one_line():
     import subprocess
     import sys
 
-    code = "import sys, dllm.cli; print([m for m in ('torch', 'transformers') if m in sys.modules])"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert done.stdout.strip() == "[]"
+    for entry in ("dllm.cli", "dllm.eval.lm_eval_cli"):  # the two console scripts' modules
+        code = f"import sys, {entry}; print([m for m in ('torch', 'transformers', 'lm_eval') if m in sys.modules])"
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+        assert done.stdout.strip() == "[]", entry
 
 
 def test_ctrl_c_during_the_heavy_imports_is_one_line_and_130(tmp_path):

@@ -46,7 +46,7 @@ def test_triton_is_an_extra_not_a_dependency():
     extras = project["optional-dependencies"]
     assert any(d.startswith("triton") for d in extras["gpu"]) and any(d.startswith("triton") for d in extras["test"])
     assert {"eval", "bench", "test", "gpu"} <= set(extras)
-    assert project["scripts"]["dllm-lm-eval"] == "dllm.eval.lm_eval_plugin:main"
+    assert project["scripts"]["dllm-lm-eval"] == "dllm.eval.lm_eval_cli:main"
 
 
 def test_cpu_paths_run_without_triton():
