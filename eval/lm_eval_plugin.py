@@ -83,7 +83,6 @@ OWN_KEYS = ("pretrained", "kind", "dtype", "device", "revision", "trust_remote_c
             "max_length", "mc_samples", "mc_batch_size", "check_greedy")
 
 
-@register_model("dllm")
 class DllmLM(TemplateLM):
     """lm-eval's LM interface over `dllm.load` and `dllm.generate`."""
 
@@ -498,6 +497,12 @@ def _pick_device(device: str | None) -> str:
 
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
+
+
+# Registered under the module's package name only: run as ``python -m dllm.eval.lm_eval_plugin`` this file is
+# also ``__main__``, and the CLI (dllm.eval.lm_eval_cli) then imports it by name, which registers it once.
+if __name__ != "__main__":
+    register_model("dllm")(DllmLM)
 
 
 def main(argv: list[str] | None = None) -> int:
