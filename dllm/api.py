@@ -40,6 +40,7 @@ class GenerateOutput:
     seed: int | None = None  # the seed of the generator generate made, when none was given
 
 
+@torch.no_grad()  # decoding never trains: no autograd graph over the model's calls (time and memory)
 def generate(
     model,
     input_ids: torch.Tensor,
