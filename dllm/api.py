@@ -40,7 +40,6 @@ class GenerateOutput:
     seed: int | None = None  # the seed of the generator generate made, when none was given
 
 
-@torch.no_grad()  # decoding never trains: no autograd graph over the model's calls (time and memory)
 def generate(
     model,
     input_ids: torch.Tensor,
@@ -91,9 +90,10 @@ def generate(
     stats = DecodeStats()
     synchronize(input_ids.device)
     start = time.perf_counter()
-    sequences = spec.run(model, input_ids, max_new_tokens, temperature=temperature, generator=generator,
-                         stats=stats, attention_mask=attention_mask, eos_token_id=stop_ids, callback=callback,
-                         **config.values())
+    with torch.no_grad():  # decoding never trains: no autograd graph over the model's calls (time, memory)
+        sequences = spec.run(model, input_ids, max_new_tokens, temperature=temperature, generator=generator,
+                             stats=stats, attention_mask=attention_mask, eos_token_id=stop_ids,
+                             callback=callback, **config.values())
     synchronize(input_ids.device)
     stats.wall_time_s = time.perf_counter() - start
     if stop_ids is not None:

@@ -159,7 +159,12 @@ class SamplerSpec:
         if unknown:
             raise TypeError(f"unknown option(s) {unknown} for sampler {self.name!r}; "
                             f"allowed: {sorted(self.options) + ['callback']}")
-        config = self.config(**{k: v for k, v in given.items() if k != "callback"})
+        # The model's measured-fastest settings (Capabilities.sampler_defaults) under the caller's own.
+        preferred = {} if model is None else {option: value for sampler, option, value in
+                                              capabilities(model).sampler_defaults
+                                              if sampler == self.name and option in self.options}
+        merged = {**preferred, **{k: v for k, v in given.items() if k != "callback"}}
+        config = self.config(**merged)
         return config.validate(model, max_new_tokens)
 
     def resolve(self, given: dict[str, Any], *, model, max_new_tokens: int) -> dict[str, Any]:

@@ -164,3 +164,20 @@ def test_per_row_generators_make_rows_batch_invariant(sampler, options):
         assert torch.equal(batch.sequences[i], alone.sequences[0]), (sampler, i)
     with pytest.raises(TypeError, match="one torch.Generator per row"):
         dllm.generate(model, rows, sampler=sampler, max_new_tokens=8, generator=[torch.Generator()])
+
+
+def test_generate_builds_no_autograd_graph():
+    """Decoding runs without autograd whatever the caller's mode (and leaves the caller's mode alone)."""
+    oracle = dllm.HMMOracle.random(num_states=3, num_tokens=6, seed=0)
+    modes = []
+
+    class Spy:  # a DiffusionModel that notes the grad mode of each call
+        mask_token_id, vocab_size = oracle.mask_token_id, oracle.vocab_size
+
+        def __call__(self, *args, **kwargs):
+            modes.append(torch.is_grad_enabled())
+            return oracle(*args, **kwargs)
+
+    assert torch.is_grad_enabled()
+    dllm.generate(Spy(), torch.tensor([[0, 1]]), sampler="sequential", max_new_tokens=3)
+    assert modes and not any(modes) and torch.is_grad_enabled()

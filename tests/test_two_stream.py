@@ -462,3 +462,31 @@ def test_prefix_conditioned_recipe_trains_on_pairs(tmp_path):
             str(tmp_path / "run")]
     assert main(args + [a for s in settings for a in ("--set", s)]) == 0
     assert isinstance(dllm.load(tmp_path / "run" / "model"), TwoStreamLM)
+
+
+def test_a_model_declares_the_settings_measured_fastest_on_it(tmp_path, model):
+    """Capabilities.sampler_defaults (two_stream.json): used where the caller passes none, never over the
+    caller's own; saved and loaded with the folder; a malformed table is refused naming it."""
+    declared = TwoStreamLM(model.base, 2, {"fef": {"window": 3}})
+    declared.save_pretrained(tmp_path / "m")
+    loaded = TwoStreamLM.from_pretrained(tmp_path / "m")
+    assert loaded.capabilities.sampler_defaults == (("fef", "window", 3),)
+    x = PROMPT[None]
+    with torch.no_grad():
+        assert dllm.generate(loaded, x, sampler="fef", max_new_tokens=4, block_length=4).options["window"] == 3
+        assert dllm.generate(loaded, x, sampler="fef", max_new_tokens=4, block_length=4, window=2).options["window"] == 2
+        assert "window" not in dllm.generate(loaded, x, sampler="sequential", max_new_tokens=4, block_length=4).options
+    (tmp_path / "m" / "two_stream.json").write_text('{"layout": "two_stream", "sampler_defaults": {"fef": 3}}')
+    with pytest.raises(ValueError, match="sampler_defaults"):
+        TwoStreamLM.from_pretrained(tmp_path / "m")
+
+
+@pytest.mark.skipif(not (SHIPPED / "model.safetensors").exists(), reason="shipped weights not present")
+def test_the_shipped_two_stream_model_drafts_with_its_head_by_default():
+    shipped = dllm.load(SHIPPED)
+    x = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        assert dllm.generate(shipped, x, sampler="fef", max_new_tokens=8).options["draft"] == "head"
+        assert dllm.generate(shipped, x, sampler="fef", max_new_tokens=8, draft="marginal").options["draft"] == "marginal"
+        diffusion = dllm.load(SHIPPED.parent / "diffusion")
+        assert dllm.generate(diffusion, x, sampler="fef", max_new_tokens=8).options["draft"] == "marginal"

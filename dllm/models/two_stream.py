@@ -93,11 +93,14 @@ class RevealCache:
 class TwoStreamLM(nn.Module):
     """A TransformerLM's layers run as content and query streams; see the module docstring."""
 
-    def __init__(self, base: TransformerLM, block_size: int | None = None):
+    def __init__(self, base: TransformerLM, block_size: int | None = None,
+                 sampler_defaults: dict[str, dict] | None = None):
         super().__init__()
         self.base = base
         # The blocks it was trained to decode in (samplers' default block_length); none in its attention.
         self.block_size = base.config.block_size if block_size is None else block_size
+        # {sampler: {option: value}} measured fastest on this model (two_stream.json; Capabilities)
+        self.sampler_defaults = {name: dict(values) for name, values in (sampler_defaults or {}).items()}
         self.config = base.config
         self.vocab_size, self.mask_token_id = base.vocab_size, base.config.mask_token_id
         if self.mask_token_id is None:
@@ -109,7 +112,9 @@ class TwoStreamLM(nn.Module):
         """Padding, features (draft heads) and the reveal-order cache with its one-pass exact verifier."""
         return Capabilities(accepts_attention_mask=True, context_length=self.config.max_seq_len,
                             block_size=self.block_size, reveal_order_cache=True, one_pass_exact=True,
-                            hidden_states=True)
+                            hidden_states=True, sampler_defaults=tuple(
+                                (name, option, value) for name, values in self.sampler_defaults.items()
+                                for option, value in values.items()))
 
     @property
     def context_length(self) -> int:
@@ -167,14 +172,21 @@ class TwoStreamLM(nn.Module):
     def save_pretrained(self, folder: str | Path) -> None:
         """The base's files plus the two-stream marker."""
         self.base.save_pretrained(folder)
-        (Path(folder) / MARKER).write_text(json.dumps({"layout": "two_stream", "block_size": self.block_size}) + "\n")
+        marker = {"layout": "two_stream", "block_size": self.block_size}
+        if self.sampler_defaults:
+            marker["sampler_defaults"] = self.sampler_defaults
+        (Path(folder) / MARKER).write_text(json.dumps(marker) + "\n")
 
     @classmethod
     def from_pretrained(cls, folder: str | Path, device=None, dtype=None) -> TwoStreamLM:
         """Load a saved TwoStreamLM, or wrap any TransformerLM folder (e.g. the diffusion model, as an init)."""
         marker = Path(folder) / MARKER
-        block_size = json.loads(marker.read_text()).get("block_size") if marker.exists() else None
-        return cls(TransformerLM.from_pretrained(folder, device=device, dtype=dtype), block_size).eval()
+        values = json.loads(marker.read_text()) if marker.exists() else {}
+        defaults = values.get("sampler_defaults") or {}
+        if not isinstance(defaults, dict) or not all(isinstance(v, dict) for v in defaults.values()):
+            raise ValueError(f"{marker}: sampler_defaults must map sampler names to option tables, got {defaults!r}")
+        return cls(TransformerLM.from_pretrained(folder, device=device, dtype=dtype), values.get("block_size"),
+                   defaults).eval()
 
 
 def is_two_stream_folder(folder: str | Path) -> bool:
