@@ -22,7 +22,10 @@ there, preferring one that saw exactly the accepted drafts (a valid proposal eit
 the very probabilities the drafts were drawn from). fef's ``marginal`` and ``stale`` drafts both take these
 query logits, which cost no call of their own; ``draft="head"`` drafts from a two-stream draft head over
 them and the queries' features (``DraftHeadConfig.condition_first``: step 0 reads the pending correction,
-which those queries did not see), still without a call of its own. ``cache`` may be ``auto`` or ``none``: the reveal-order cache is exact, so both give the same law. Limit: the draft-logit
+which those queries did not see), still without a call of its own. Left to right, the blocks do not change
+the law (position order is the reveal order), so the answer is decoded as one block and windows run
+across the model's blocks. ``cache`` may be ``auto`` or ``none``: the reveal-order cache is exact, so both
+give the same law. Limit: the draft-logit
 buffer is [B, N, V] over the N answer columns (the prompt's are never drafted), in the logits' dtype: 2 GB
 at LLaDA's vocabulary for 8 rows of 512 answer tokens in float32 (to chunk, or keep only live columns).
 """
@@ -76,6 +79,10 @@ def decode(model, prompt, gen_length, *, temperature, generator, stats: DecodeSt
     if cache not in ("auto", "none"):
         raise ValueError(f"cache={cache!r}: a two-stream model decodes with its own exact reveal-order cache; "
                          "use cache='auto'")
+    if order == "left_to_right":
+        # Position order is the reveal order whatever the blocks (the law is the same for every
+        # block_length), so one block lets fef's windows run across the model's blocks.
+        block_length = gen_length
     state = _Decoding(CountingModel(model, stats.record), prompt, gen_length, block_length, attention_mask,
                       eos_token_id, draft_head if window else None)
     canvas = state.canvas
@@ -88,6 +95,7 @@ def decode(model, prompt, gen_length, *, temperature, generator, stats: DecodeSt
             info = two_stream_round(state, rows, in_block, temperature, bind_rows(generator, rows), stats,
                                     order=order, window=window)
             canvas.stop_at_eos(rows)
+            state.cache.compact(min_unused=0.25)  # rejected drafts pile up within a long block
             if callback is not None:
                 callback(StepEvent(sampler=sampler, rows=rows, x=canvas.x[rows], **info))
     return canvas.x

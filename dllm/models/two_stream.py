@@ -77,12 +77,13 @@ class RevealCache:
         tail[rows] &= keep
         self.kv.valid = torch.cat([self.kv.valid[:, :-width], tail], dim=1)
 
-    def compact(self) -> None:
-        """Drop entries that no row keeps (rejected drafts, placeholders): less attention, same logits."""
+    def compact(self, min_unused: float = 0.0) -> None:
+        """Drop entries that no row keeps (rejected drafts, placeholders): less attention, same logits.
+        Only once they are at least ``min_unused`` of the cache (copying the keys/values costs too)."""
         if self.kv.length == 0:
             return
         used = self.kv.valid.any(dim=0)
-        if bool(used.all()):
+        if bool(used.all()) or float((~used).float().mean()) < min_unused:
             return
         index = used.nonzero().squeeze(-1)
         kv = self.kv
