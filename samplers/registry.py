@@ -159,13 +159,24 @@ class SamplerSpec:
         if unknown:
             raise TypeError(f"unknown option(s) {unknown} for sampler {self.name!r}; "
                             f"allowed: {sorted(self.options) + ['callback']}")
-        # The model's measured-fastest settings (Capabilities.sampler_defaults) under the caller's own.
-        preferred = {} if model is None else {option: value for sampler, option, value in
-                                              capabilities(model).sampler_defaults
-                                              if sampler == self.name and option in self.options}
-        merged = {**preferred, **{k: v for k, v in given.items() if k != "callback"}}
+        merged = {**self._preferred(model, given), **{k: v for k, v in given.items() if k != "callback"}}
         config = self.config(**merged)
         return config.validate(model, max_new_tokens)
+
+    def _preferred(self, model, given: Mapping[str, Any]) -> dict[str, Any]:
+        """The model's measured-fastest settings for this sampler (``Capabilities.sampler_defaults``), less
+        those the caller's own options override: a caller's ``draft`` drops a declared ``draft_head`` too."""
+        if model is None:
+            return {}
+        preferred = {option: value for sampler, option, value in capabilities(model).sampler_defaults
+                     if sampler == self.name}
+        unknown = sorted(set(preferred) - set(self.options))
+        if unknown:
+            raise ValueError(f"{type(model).__name__} declares sampler_defaults {unknown} for {self.name!r}, "
+                             f"which has no such option(s); allowed: {sorted(self.options)}")
+        if "draft" in given:
+            preferred.pop("draft_head", None)
+        return {k: v for k, v in preferred.items() if k not in given}
 
     def resolve(self, given: dict[str, Any], *, model, max_new_tokens: int) -> dict[str, Any]:
         """Fill defaults and validate; unknown names and bad values raise naming the option."""
@@ -254,6 +265,12 @@ def _check_draft_head(values: dict[str, Any], model) -> None:
     except FileNotFoundError as error:
         raise ValueError(f"draft_head={str(head)!r}: {error}") from None
     loaded.check_backbone(model.vocab_size)
+    two_stream = capabilities(model).reveal_order_cache
+    if loaded.config.condition_first != two_stream:  # each layout's step 0 means something else
+        raise ValueError(f"draft_head={str(head)!r} is a head for the "
+                         f"{'two-stream' if loaded.config.condition_first else 'block-diffusion'} layout "
+                         f"(condition_first={loaded.config.condition_first}); {type(model).__name__} needs one "
+                         f"with condition_first={two_stream}")
 
 
 def _check_drafter(values: dict[str, Any], model) -> None:

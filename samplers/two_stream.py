@@ -5,7 +5,8 @@ keys/values are cached; masked positions are read by queries that see a prefix o
 (shapes for R active rows, window W; ``sequential`` is the round with W = 0 and no lookahead):
 
 1. window: the next W positions ``s`` in ``order`` among those with draft logits (from earlier queries);
-2. drafts: ``d_j ~ softmax(draft_logits[s_j] / T)``, independently;
+2. drafts: ``d_j ~ softmax(draft_logits[s_j] / T)``, independently, or from a draft head, step j given the
+   token before s_j (``draft="head"``; below);
 3. ONE call: content = [tokens emitted last round (the prompt at first), d_0..d_{W-1}], causal among
    themselves and appended to the cache; copy k's queries see the cache, the pending tokens and d_<k:
    at the next position in ``order`` (left_to_right) or at every masked position of the block
@@ -60,7 +61,11 @@ class _Decoding:
         p = prompt.shape[1]
         # The pending content: the prompt before the first round, then each row's last correction token.
         self.pending = (self.canvas.x[:, :p].clone(), self.positions[:, :p].clone(), real[:, :p].clone())
-        self.pending_col = torch.full((batch,), -1, dtype=torch.long, device=prompt.device)  # its canvas column
+        # The last token each row emitted and its canvas column: a head's "token before" the next window
+        # (the pending correction or bonus, else the last accepted draft, else the prompt's last token).
+        self.last_tok = self.canvas.x[:, p - 1].clone() if p else torch.zeros(batch, dtype=torch.long,
+                                                                                device=prompt.device)
+        self.last_col = torch.full((batch,), p - 1, dtype=torch.long, device=prompt.device)
         # Latest query logits per answer column (the prompt's columns are never drafted: not stored).
         self.start = p  # canvas column of the buffers' column 0
         self.draft_logits: torch.Tensor | None = None  # [B, N, V]
@@ -180,11 +185,12 @@ def _drafts(state, rows, candidates, temperature, generator, order, window):
         drafts, window_logits = independent_drafts(draft_logits[index[:, None], positions], state.mask_id,
                                                    temperature, generator)
         return positions + start, count, drafts, window_logits
-    # The head: step 0 reads the pending correction (which the window's queries did not see) and its offset.
+    # The head: step 0 reads the last emitted token (the pending correction, which the window's queries
+    # did not see, or else the last accepted draft) and its offset.
     columns = positions + start
-    before = torch.cat([state.pending_col[rows, None], columns[:, :-1]], dim=1)
+    before = torch.cat([state.last_col[rows, None], columns[:, :-1]], dim=1)
     drafts, window_logits = head_drafts(state.head, state.draft_features[rows[:, None], positions],
-                                        draft_logits[index[:, None], positions], state.pending[0][rows, 0],
+                                        draft_logits[index[:, None], positions], state.last_tok[rows],
                                         columns - before, temperature, generator, state.mask_id)
     return columns, count, drafts, window_logits
 
@@ -248,7 +254,12 @@ def _set_pending(state: _Decoding, rows, outcome, emitted) -> None:
     pos[rows, 0] = state.positions[rows].gather(1, column.clamp(min=0)[:, None])[:, 0]
     valid[rows, 0] = has
     state.pending = (ids, pos, valid)
-    state.pending_col[rows] = column
+    # The head's token before the next window: the correction/bonus, else the last accepted draft.
+    last = (outcome.num_accepted - 1).clamp(min=0)
+    accepted = outcome.num_accepted > 0
+    tok = torch.where(has, token, torch.where(accepted, outcome.tokens[index, last], state.last_tok[rows]))
+    col = torch.where(has, column, torch.where(accepted, emitted[index, last], state.last_col[rows]))
+    state.last_tok[rows], state.last_col[rows] = tok, col
 
 
 def _store_drafts(state, rows, logits, features, q_col, q_copy, q_valid, num_accepted, count) -> None:

@@ -376,12 +376,15 @@ def test_two_stream_head_recipe_trains_a_loadable_head(tmp_path):
 
     if not (SHIPPED / "model.safetensors").exists():
         pytest.skip("shipped weights not present")
-    assert run_recipe("two-stream-head", ["--prompts", "8", "--steps", "3", "--output", str(tmp_path / "h")]) == 0
+    assert run_recipe("two-stream-head", ["--prompts", "8", "--steps", "3", "--heldout", "2", "--output",
+                                          str(tmp_path / "h")]) == 0
     head = DraftHead.from_pretrained(tmp_path / "h")
     assert head.config.condition_first
     report = (tmp_path / "h" / "train.json").read_text()
     assert '"heldout"' in report and '"train_windows"' in report
     assert run_recipe("two-stream-head", ["--steps", "0", "--output", str(tmp_path / "x")]) == 2
+    assert run_recipe("two-stream-head", ["--prompts", "3", "--output", str(tmp_path / "x")]) == 2
+    assert '"confidence T1"' in report  # both orders rolled and held out
 
 
 def test_a_head_for_another_vocabulary_is_refused_by_name(model):
@@ -490,3 +493,39 @@ def test_the_shipped_two_stream_model_drafts_with_its_head_by_default():
         assert dllm.generate(shipped, x, sampler="fef", max_new_tokens=8, draft="marginal").options["draft"] == "marginal"
         diffusion = dllm.load(SHIPPED.parent / "diffusion")
         assert dllm.generate(diffusion, x, sampler="fef", max_new_tokens=8).options["draft"] == "marginal"
+
+
+def test_declared_defaults_yield_to_the_callers_choice_and_are_checked(tmp_path, model):
+    head = _random_head(model)
+    head.save_pretrained(tmp_path / "head")
+    declared = TwoStreamLM(model.base, 2, {"fef": {"draft": "head", "draft_head": str(tmp_path / "head")}})
+    x = PROMPT[None]
+    with torch.no_grad():
+        out = dllm.generate(declared, x, sampler="fef", max_new_tokens=4, block_length=4)
+        assert out.options["draft"] == "head" and out.options["draft_head"] == str(tmp_path / "head")
+        # The caller's draft drops the declared head with it (no "draft_head is used only with ..." error).
+        assert dllm.generate(declared, x, sampler="fef", max_new_tokens=4, block_length=4,
+                             draft="marginal").options["draft_head"] is None
+    with pytest.raises(ValueError, match="sampler_defaults \\['windo'\\]"):
+        dllm.generate(TwoStreamLM(model.base, 2, {"fef": {"windo": 3}}), x, sampler="fef", max_new_tokens=4)
+
+
+def test_a_head_for_the_other_layout_is_refused_by_name(model):
+    """A block-diffusion head's step 0 is the state's own marginal; a two-stream model needs condition_first."""
+    from dllm.models.draft_head import DraftHead, DraftHeadConfig
+
+    plain = DraftHead(DraftHeadConfig(vocab_size=VOCAB, backbone_dim=model.config.dim, dim=16, n_heads=2))
+    with pytest.raises(ValueError, match="draft_head=.*condition_first=True"):
+        _sample(model, "fef", 2, 1.0, "left_to_right", 4, window=2, draft="head", draft_head=plain)
+
+
+def test_pairs_split_holds_out_the_last_pairs(tmp_path):
+    from dllm.data.tokenizer import load_tokenizer
+    from dllm.training.pairs import load_pairs
+
+    tokenizer = load_tokenizer(Path(dllm.__file__).parent / "weights" / "diffusion" / "tokenizer.json")
+    records = [{"prompt": f"Question: {i}?\nAnswer:", "response": f"#### {i}"} for i in range(6)]
+    data = load_pairs(str(_pairs_file(tmp_path, records)), tokenizer, block_size=8, max_tokens=256)
+    train, held = data.split(2)
+    assert len(train.examples) == 4 and held == data.examples[4:]
+    assert not {id(e) for step in range(4) for e in train.step_examples(0, step, 2)} & {id(e) for e in held}

@@ -129,6 +129,10 @@ def _local_folder(name_or_path) -> Path | None:
         return path
     text = str(name_or_path)
     if isinstance(name_or_path, str) and text and "/" not in text and (SHIPPED / text / "config.json").is_file():
+        kind = json.loads((SHIPPED / text / "config.json").read_text()).get("kind")
+        if kind is not None:  # a shipped draft head (its config names its kind), not a model
+            raise ValueError(f"name_or_path {text!r} is a shipped draft head ({kind}), not a model: pass it "
+                             f"as draft_head={str(SHIPPED / text)!r}")
         return SHIPPED / text
     if isinstance(name_or_path, os.PathLike) or str(name_or_path).startswith((".", "/", "~")) or path.exists():
         raise FileNotFoundError(f"name_or_path {str(name_or_path)!r} is not a folder (nor a hub id)")

@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     from dllm.training.batches import derive_seed, tokenize_problems
 
     parser = argparse.ArgumentParser(prog="python -m dllm.training.fef_chain", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--backbone", default="dllm/weights/diffusion")
+    parser.add_argument("--backbone", default=str(Path(__file__).resolve().parents[1] / "weights" / "diffusion"))
     parser.add_argument("--batches", type=int, default=4, help="rollout batches of 64 prompts, T=0 and T=1 alternating")
     parser.add_argument("--objective", action="append", choices=("ce", "tv"), help="repeatable; default ce and tv")
     parser.add_argument("--steps", type=int, default=1200)

@@ -32,6 +32,12 @@ class PairData:
     examples: list[Example]
     dropped: int
 
+    def split(self, heldout: int) -> tuple[PairData, list[Example]]:
+        """(the pairs less the last ``heldout``, those last ones): a held-out set never trained on."""
+        if heldout <= 0:
+            return self, []
+        return PairData(self.examples[:-heldout], self.dropped), self.examples[-heldout:]
+
     def step_examples(self, seed: int, step: int, batch_size: int, rank: int = 0, world: int = 1) -> list[Example]:
         """This process's share of step ``step``'s batch (epochs reshuffled by seed; see the module docstring)."""
         n = len(self.examples)

@@ -154,10 +154,12 @@ def read_config(path: str, overrides: list[str]):
     return config_from_dict(values), PrefixConfig(**prefix)
 
 
-def heldout_stream_loss(model, run, prefix: PrefixConfig, tokenizer, device) -> float:
-    """Mean region-token loss on the first ``eval_problems`` held-out problems, left to right (fixed)."""
-    problems = heldout_set()[:run.train.eval_problems]
-    examples = tokenize_problems(problems, tokenizer, "block_causal", prefix.block_size, run.data.answer_length)
+def heldout_stream_loss(model, run, prefix: PrefixConfig, tokenizer, device, examples=None) -> float:
+    """Mean region-token loss, left to right (fixed): on ``examples`` (held-out pairs), else on the first
+    ``eval_problems`` held-out synthetic problems."""
+    if examples is None:
+        problems = heldout_set()[:run.train.eval_problems]
+        examples = tokenize_problems(problems, tokenizer, "block_causal", prefix.block_size, run.data.answer_length)
     total, count = 0.0, 0
     with torch.no_grad():
         for chunk in micro_batches(examples, run.train.micro_batch_size):
@@ -197,6 +199,8 @@ def train(run, prefix: PrefixConfig, init: str, output: str, native: str | None 
         pairs = load_pairs(prefix.pairs, tokenizer, block_size=prefix.block_size, max_tokens=prefix.max_tokens,
                            prompt_field=prefix.prompt_field, response_field=prefix.response_field,
                            chat_template=prefix.chat_template)
+        # The last eval_problems pairs are held out (never trained on) for the logged held-out loss.
+        pairs, heldout_pairs = pairs.split(min(opt.eval_problems, len(pairs.examples) // 2))
         if accelerator.is_main_process:
             epochs = opt.steps * opt.batch_size / len(pairs.examples)
             print(json.dumps({"pairs": len(pairs.examples), "dropped_longer_than_max_tokens": pairs.dropped,
@@ -209,7 +213,8 @@ def train(run, prefix: PrefixConfig, init: str, output: str, native: str | None 
             examples = tokenize_problems(problems, tokenizer, "block_causal", prefix.block_size,
                                          run.data.answer_length)
         chunks = micro_batches(examples, opt.micro_batch_size)
-        total = sum(len(e.region) for e in examples) * world  # the same normaliser on every process
+        # The batch's region tokens over all processes: every process divides by the same count.
+        total = int(accelerator.reduce(torch.tensor(sum(len(e.region) for e in examples), device=device), "sum"))
         loss_sum = 0.0
         for j, chunk in enumerate(chunks):
             generator = torch.Generator().manual_seed(derive_seed(opt.seed, "order", step, rank, j) % 2**63)
@@ -227,7 +232,8 @@ def train(run, prefix: PrefixConfig, init: str, output: str, native: str | None 
             entry = {"step": step + 1, "loss": loss_sum / (total / world), "minutes": (time.time() - start) / 60}
             if (step + 1) % opt.eval_every == 0 or step + 1 == opt.steps:
                 inner.eval()
-                entry["heldout_loss"] = heldout_stream_loss(inner, run, prefix, tokenizer, device)
+                entry["heldout_loss"] = heldout_stream_loss(inner, run, prefix, tokenizer, device,
+                                                            (heldout_pairs or None) if pairs is not None else None)
                 inner.train()
             log.append(entry)
             print(json.dumps(entry), flush=True)

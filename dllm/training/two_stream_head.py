@@ -15,10 +15,12 @@ inputs and the verifier's target for them (on-policy: the drafts before slot j a
     python -m dllm.train --recipe two-stream-head --output runs/two_stream_head
     python -m dllm.training.two_stream_head --prompts 512 --window 6 --steps 1500 --output runs/two_stream_head
 
-Rollouts alternate T=0 and T=1 batches; ``--rounds 2`` rolls again with the first head and trains on both
-(states closer to the trained head's own). Held out: problems 64-127 of the held-out set, rolled the same
-way with the marginals, per-slot acceptance of head vs marginals (argmax agreement at T=0, sum min(p, q) at
-T=1) and the expected accepted drafts per window.
+Each round's prompts are split four ways: left to right and by confidence (in the model's blocks), at T=0
+and T=1; ``--rounds 3`` rolls again with the head trained so far and trains on everything rolled (states
+closer to the trained head's own). Held out: problems 64-127 of the held-out set (``--heldout``), rolled the same four ways
+with the stored query logits, per-slot acceptance of head vs those logits (argmax agreement at T=0, sum
+min(p, q) at T=1) and the expected accepted drafts per window. The head and ``train.json`` are saved after
+every round.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ from pathlib import Path
 import torch
 
 from dllm.models.draft_head import DraftHead, DraftHeadConfig
+from dllm.models.loading import SHIPPED
+
+ORDERS = ("left_to_right", "confidence")  # the rollouts' orders: the head drafts for both
 
 
 @dataclass
@@ -97,9 +102,10 @@ class _RecordingHead(DraftHead):
 @torch.no_grad()
 def collect(model, prompts: list[list[int]], head: DraftHead, *, window: int, temperature: float,
             generator: torch.Generator, batch_size: int = 16, max_new_tokens: int = 64,
-            dtype: torch.dtype = torch.float16) -> RoundWindows:
-    """Roll fef (left to right, ``window``, ``draft="head"`` with ``head``) over ``prompts`` and record
-    every round's head inputs and verify targets -> RoundWindows (features and logits stored as ``dtype``)."""
+            dtype: torch.dtype = torch.float16, order: str = "left_to_right") -> RoundWindows:
+    """Roll fef (``order``, ``window``, ``draft="head"`` with ``head``; confidence in the model's blocks, as
+    it decodes by default) over ``prompts`` and record every round's head inputs and verify targets ->
+    RoundWindows (features and logits stored as ``dtype``); a ValueError if no round drafted."""
     import dllm
     from dllm.numerics import forbid_token
 
@@ -129,8 +135,10 @@ def collect(model, prompts: list[list[int]], head: DraftHead, *, window: int, te
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
         dllm.generate(model, ids, attention_mask=mask, sampler="fef", window=window, draft="head",
-                      draft_head=recorder, max_new_tokens=max_new_tokens, block_length=max_new_tokens,
+                      draft_head=recorder, max_new_tokens=max_new_tokens, order=order,
                       temperature=temperature, generator=generator, callback=record)
+    if not parts:
+        raise ValueError(f"no fef round drafted over {len(prompts)} prompt(s): every answer ended in its first call")
     return RoundWindows.cat(parts)
 
 
@@ -161,8 +169,9 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m dllm.training.two_stream_head",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="dllm/weights/two_stream", help="a two-stream model folder")
-    parser.add_argument("--prompts", type=int, default=512, help="training prompts per rollout round")
+    parser.add_argument("--model", default=str(SHIPPED / "two_stream"), help="a two-stream model folder")
+    parser.add_argument("--prompts", type=int, default=512, help="training prompts per rollout round (>= 4: "
+                        "a quarter each left to right and by confidence, at T=0 and T=1)")
     parser.add_argument("--window", type=int, default=6, help="fef window of the rollouts (slots trained)")
     parser.add_argument("--rounds", type=int, default=1, help="rollout rounds; later ones roll the trained head")
     parser.add_argument("--objective", choices=("ce", "tv"), default="tv")
@@ -171,11 +180,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=1500, help="optimizer steps per round")
     parser.add_argument("--batch-size", type=int, default=256, help="windows per optimizer step")
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--heldout", type=int, default=64, help="held-out problems (from the 65th) per kind")
     parser.add_argument("--output", required=True)
     args = parser.parse_args(argv)
-    for name in ("prompts", "window", "rounds", "steps", "batch_size", "dim", "layers"):
-        if getattr(args, name) < 1:
-            print(f"two-stream-head: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}",
+    for name, low in (("prompts", 4), ("window", 1), ("rounds", 1), ("steps", 1), ("batch_size", 1), ("dim", 1),
+                      ("layers", 1), ("heldout", 1)):
+        if getattr(args, name) < low:
+            print(f"two-stream-head: --{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}",
                   file=sys.stderr)
             return 2
     if not args.lr > 0:
@@ -199,18 +210,18 @@ def main(argv: list[str] | None = None) -> int:
     head = DraftHead(config)
     gen, start = torch.Generator().manual_seed(derive_seed(0, "two-stream-head")), time.time()
     untrained = DraftHead(head.config).eval()  # zero correction: the marginals
-    held = {t: collect(model, prompts(heldout_set()[64:128]), untrained, window=args.window, temperature=float(t),
-                       generator=gen) for t in (0, 1)}
+    kinds = [(order, t) for order in ORDERS for t in (0, 1)]
+    held = {(order, t): collect(model, prompts(heldout_set()[64 : 64 + args.heldout]), untrained, window=args.window,
+                                temperature=float(t), generator=gen, order=order) for order, t in kinds}
     stream = training_stream(derive_seed(0, "two-stream-head-data"))
     data: list[RoundWindows] = []
     log, report = [], {}
     for round_index in range(args.rounds):
         t0 = time.time()
         batch = list(islice(stream, args.prompts))
-        half = len(batch) // 2
         roller = head.eval()
-        data += [collect(model, prompts(batch[:half]), roller, window=args.window, temperature=0.0, generator=gen),
-                 collect(model, prompts(batch[half:]), roller, window=args.window, temperature=1.0, generator=gen)]
+        data += [collect(model, prompts(batch[i :: len(kinds)]), roller, window=args.window, temperature=float(t),
+                         generator=gen, order=order) for i, (order, t) in enumerate(kinds)]
         windows = RoundWindows.cat(data)
         rolled = time.time() - t0
         head.train()
@@ -219,19 +230,21 @@ def main(argv: list[str] | None = None) -> int:
                             torch.Generator().manual_seed(round_index + 1), model.mask_token_id,
                             log=lambda line: print(line, flush=True))
         head.eval()
-        acc = {f"T{t}": acceptance(head, held[t], greedy=t == 0) for t in (0, 1)}
+        acc = {f"{order} T{t}": acceptance(head, held[order, t], greedy=t == 0) for order, t in kinds}
         report[f"round {round_index + 1}"] = {"train_windows": len(windows), "rollout_seconds": round(rolled, 1),
                                               "train_seconds": round(time.time() - t1, 1),
                                               "losses": losses[::10], "heldout": acc}
         print(f"round {round_index + 1}: {len(windows)} windows", json.dumps(acc), flush=True)
-        log.append(acc)
-    folder = Path(args.output)
-    head.save_pretrained(folder)
-    (folder / "train.json").write_text(json.dumps({
-        "model": args.model, "objective": args.objective, "dim": args.dim, "layers": args.layers, "window": args.window, "prompts_per_round": args.prompts,
-        "rounds": args.rounds, "steps_per_round": args.steps, "batch_size": args.batch_size, "lr": args.lr,
-        "heldout_problems": "heldout_set()[64:128], rolled with the marginals", "wall_seconds":
-        round(time.time() - start, 1), **report}, indent=1) + "\n")
+        # Saved after every round: an interrupted run keeps the rounds it finished.
+        folder = Path(args.output)
+        head.save_pretrained(folder)
+        (folder / "train.json").write_text(json.dumps({
+            "model": args.model, "objective": args.objective, "dim": args.dim, "layers": args.layers,
+            "window": args.window, "orders": list(ORDERS), "prompts_per_round": args.prompts,
+            "rounds_done": round_index + 1, "rounds": args.rounds, "steps_per_round": args.steps,
+            "batch_size": args.batch_size, "lr": args.lr,
+            "heldout_problems": f"heldout_set()[64:{64 + args.heldout}], rolled with the stored query logits",
+            "wall_seconds": round(time.time() - start, 1), **report}, indent=1) + "\n")
     return 0
 
 
