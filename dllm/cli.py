@@ -190,7 +190,9 @@ def _generate(args: argparse.Namespace) -> int:
             options.setdefault("num_draft_tokens", 8)  # the shipped diffusion drafter: fastest measured (README)
     elif args.drafter is not None:
         raise UserError(f"--drafter is for --sampler ar_spec, got --sampler {args.sampler}")
-    text = _format_prompt(args, tokenizer, default_model=args.model is None)
+    from dllm.models.loading import is_shipped
+
+    text = _format_prompt(args, tokenizer, default_model=args.model is None or is_shipped(args.model))
     from dllm.eval.runner import model_device
 
     ids = torch.tensor([tokenizer(text, add_special_tokens=not args.chat)["input_ids"]], device=model_device(model))

@@ -357,3 +357,17 @@ def test_usage_errors_exit_2_in_one_line_from_every_command(argv):
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(USAGE_ERRORS[argv]), done.stderr
+
+
+@pytest.mark.parametrize("model", ["two_stream", "dllm/weights/diffusion"])
+def test_a_shipped_model_named_by_model_gets_the_training_format(model, capsys):
+    """--model naming a shipped model (bare name or folder) formats the prompt as the model was trained,
+    as the default model does: the answer is the synthetic format's, not noise."""
+    folder = Path(__file__).resolve().parents[1] / "dllm" / "weights" / model.split("/")[-1]
+    if not (folder / "model.safetensors").exists():
+        pytest.skip("shipped weights not present")
+    name = model if "/" not in model else str(folder)
+    assert main(["generate", "Tom has 3 bags with 4 apples each. How many apples does Tom have?", "--model", name,
+                 "--max-new-tokens", "64", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["prompt"].startswith("Question: Tom has 3 bags") and "#### 12" in out["completion"]

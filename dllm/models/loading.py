@@ -121,6 +121,15 @@ def _check_dtype(dtype) -> torch.dtype | None:
 SHIPPED = Path(__file__).resolve().parents[1] / "weights"  # the models this package ships (their READMEs)
 
 
+def is_shipped(name_or_path) -> bool:
+    """Whether ``name_or_path`` names one of the models this package ships (a bare name or its folder)."""
+    try:
+        folder = _local_folder(name_or_path)
+    except (FileNotFoundError, ValueError):
+        return False
+    return folder is not None and folder.resolve().parent == SHIPPED
+
+
 def _local_folder(name_or_path) -> Path | None:
     """The folder when ``name_or_path`` is one on disk or the bare name of a shipped model (``"diffusion"``,
     ``"two_stream"``, ...: ``dllm/weights/<name>``); None for a hub id; an error for a missing path."""
