@@ -124,9 +124,10 @@ class Capabilities:
     hidden_states: bool = False  # forward(..., return_hidden=True) -> (logits, features [B, L, D]) (draft heads)
     reveal_order_cache: bool = False  # streams(): revealed tokens cached in reveal order (dllm/models/two_stream.py)
     one_pass_exact: bool = False  # one call's window conditionals are the sequential chain's (fef exact in one pass)
-    # (sampler, option, value) triples: the settings measured fastest on this model, used where the caller
-    # passes none (``generate``, ``dllm generate/eval/bench``); exact samplers' laws do not depend on them.
-    sampler_defaults: tuple[tuple[str, str, object], ...] = ()
+    # (sampler, option, value, when): the settings measured fastest on this model, used where the caller
+    # passes none (``generate``, ``dllm generate/eval/bench``) and only while the options in ``when``
+    # ((option, value) pairs) have those values; exact samplers' laws do not depend on them.
+    sampler_defaults: tuple[tuple[str, str, object, tuple[tuple[str, object], ...]], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "context_length", _positive_int(self.context_length))

@@ -164,16 +164,24 @@ class SamplerSpec:
         return config.validate(model, max_new_tokens)
 
     def _preferred(self, model, given: Mapping[str, Any]) -> dict[str, Any]:
-        """The model's measured-fastest settings for this sampler (``Capabilities.sampler_defaults``), less
-        those the caller's own options override: a caller's ``draft`` drops a declared ``draft_head`` too."""
+        """The model's measured-fastest settings for this sampler (``Capabilities.sampler_defaults``) whose
+        conditions hold for the caller's options (or their defaults), less those the caller overrides: a
+        caller's ``draft`` drops a declared ``draft_head`` too."""
         if model is None:
             return {}
-        preferred = {option: value for sampler, option, value in capabilities(model).sampler_defaults
-                     if sampler == self.name}
-        unknown = sorted(set(preferred) - set(self.options))
+        rules = [(option, value, dict(when)) for sampler, option, value, when in capabilities(model).sampler_defaults
+                 if sampler == self.name]
+        named = {option for option, _, when in rules for option in (option, *when)}
+        unknown = sorted(named - set(self.options))
         if unknown:
             raise ValueError(f"{type(model).__name__} declares sampler_defaults {unknown} for {self.name!r}, "
                              f"which has no such option(s); allowed: {sorted(self.options)}")
+        options = self.options
+
+        def holds(when: dict) -> bool:
+            return all(given.get(name, options[name].default) == value for name, value in when.items())
+
+        preferred = {option: value for option, value, when in rules if holds(when)}
         if "draft" in given:
             preferred.pop("draft_head", None)
         return {k: v for k, v in preferred.items() if k not in given}

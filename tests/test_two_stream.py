@@ -376,14 +376,15 @@ def test_two_stream_head_recipe_trains_a_loadable_head(tmp_path):
 
     if not (SHIPPED / "model.safetensors").exists():
         pytest.skip("shipped weights not present")
-    assert run_recipe("two-stream-head", ["--prompts", "8", "--steps", "3", "--heldout", "2", "--output",
-                                          str(tmp_path / "h")]) == 0
+    assert run_recipe("two-stream-head", ["--prompts", "8", "--steps", "3", "--heldout", "2", "--orders",
+                                          "left_to_right,confidence", "--output", str(tmp_path / "h")]) == 0
     head = DraftHead.from_pretrained(tmp_path / "h")
     assert head.config.condition_first
     report = (tmp_path / "h" / "train.json").read_text()
     assert '"heldout"' in report and '"train_windows"' in report
     assert run_recipe("two-stream-head", ["--steps", "0", "--output", str(tmp_path / "x")]) == 2
-    assert run_recipe("two-stream-head", ["--prompts", "3", "--output", str(tmp_path / "x")]) == 2
+    assert run_recipe("two-stream-head", ["--prompts", "1", "--output", str(tmp_path / "x")]) == 2
+    assert run_recipe("two-stream-head", ["--orders", "sideways", "--output", str(tmp_path / "x")]) == 2
     assert '"confidence T1"' in report  # both orders rolled and held out
 
 
@@ -473,7 +474,7 @@ def test_a_model_declares_the_settings_measured_fastest_on_it(tmp_path, model):
     declared = TwoStreamLM(model.base, 2, {"fef": {"window": 3}})
     declared.save_pretrained(tmp_path / "m")
     loaded = TwoStreamLM.from_pretrained(tmp_path / "m")
-    assert loaded.capabilities.sampler_defaults == (("fef", "window", 3),)
+    assert loaded.capabilities.sampler_defaults == (("fef", "window", 3, ()),)
     x = PROMPT[None]
     with torch.no_grad():
         assert dllm.generate(loaded, x, sampler="fef", max_new_tokens=4, block_length=4).options["window"] == 3
@@ -493,6 +494,9 @@ def test_the_shipped_two_stream_model_drafts_with_its_head_by_default():
         assert dllm.generate(shipped, x, sampler="fef", max_new_tokens=8, draft="marginal").options["draft"] == "marginal"
         diffusion = dllm.load(SHIPPED.parent / "diffusion")
         assert dllm.generate(diffusion, x, sampler="fef", max_new_tokens=8).options["draft"] == "marginal"
+        # Only left to right: by confidence the head's steps cost more than they carry (README).
+        assert dllm.generate(shipped, x, sampler="fef", max_new_tokens=8,
+                             order="confidence").options["draft"] == "marginal"
 
 
 def test_declared_defaults_yield_to_the_callers_choice_and_are_checked(tmp_path, model):
@@ -506,6 +510,11 @@ def test_declared_defaults_yield_to_the_callers_choice_and_are_checked(tmp_path,
         # The caller's draft drops the declared head with it (no "draft_head is used only with ..." error).
         assert dllm.generate(declared, x, sampler="fef", max_new_tokens=4, block_length=4,
                              draft="marginal").options["draft_head"] is None
+    conditional = TwoStreamLM(model.base, 2, {"fef": {"window": 3, "when": {"order": "confidence"}}})
+    with torch.no_grad():
+        assert dllm.generate(conditional, x, sampler="fef", max_new_tokens=4, block_length=4).options["window"] == 8
+        assert dllm.generate(conditional, x, sampler="fef", max_new_tokens=4, block_length=4,
+                             order="confidence").options["window"] == 3
     with pytest.raises(ValueError, match="sampler_defaults \\['windo'\\]"):
         dllm.generate(TwoStreamLM(model.base, 2, {"fef": {"windo": 3}}), x, sampler="fef", max_new_tokens=4)
 

@@ -100,7 +100,8 @@ class TwoStreamLM(nn.Module):
         self.base = base
         # The blocks it was trained to decode in (samplers' default block_length); none in its attention.
         self.block_size = base.config.block_size if block_size is None else block_size
-        # {sampler: {option: value}} measured fastest on this model (two_stream.json; Capabilities)
+        # {sampler: {option: value, "when": {option: value}}} measured fastest on this model (two_stream.json;
+        # Capabilities.sampler_defaults): the table applies only while the "when" options hold
         self.sampler_defaults = {name: dict(values) for name, values in (sampler_defaults or {}).items()}
         self.config = base.config
         self.vocab_size, self.mask_token_id = base.vocab_size, base.config.mask_token_id
@@ -114,8 +115,9 @@ class TwoStreamLM(nn.Module):
         return Capabilities(accepts_attention_mask=True, context_length=self.config.max_seq_len,
                             block_size=self.block_size, reveal_order_cache=True, one_pass_exact=True,
                             hidden_states=True, sampler_defaults=tuple(
-                                (name, option, value) for name, values in self.sampler_defaults.items()
-                                for option, value in values.items()))
+                                (name, option, value, tuple(values.get("when", {}).items()))
+                                for name, values in self.sampler_defaults.items()
+                                for option, value in values.items() if option != "when"))
 
     @property
     def context_length(self) -> int:
@@ -184,8 +186,10 @@ class TwoStreamLM(nn.Module):
         marker = Path(folder) / MARKER
         values = json.loads(marker.read_text()) if marker.exists() else {}
         defaults = values.get("sampler_defaults") or {}
-        if not isinstance(defaults, dict) or not all(isinstance(v, dict) for v in defaults.values()):
-            raise ValueError(f"{marker}: sampler_defaults must map sampler names to option tables, got {defaults!r}")
+        if not isinstance(defaults, dict) or not all(isinstance(v, dict) and isinstance(v.get("when", {}), dict)
+                                                     for v in defaults.values()):
+            raise ValueError(f"{marker}: sampler_defaults must map sampler names to option tables (with an "
+                             f"optional \"when\" table of conditions), got {defaults!r}")
         return cls(TransformerLM.from_pretrained(folder, device=device, dtype=dtype), values.get("block_size"),
                    defaults).eval()
 

@@ -15,9 +15,9 @@ inputs and the verifier's target for them (on-policy: the drafts before slot j a
     python -m dllm.train --recipe two-stream-head --output runs/two_stream_head
     python -m dllm.training.two_stream_head --prompts 512 --window 6 --steps 1500 --output runs/two_stream_head
 
-Each round's prompts are split four ways: left to right and by confidence (in the model's blocks), at T=0
-and T=1; ``--rounds 3`` rolls again with the head trained so far and trains on everything rolled (states
-closer to the trained head's own). Held out: problems 64-127 of the held-out set (``--heldout``), rolled the same four ways
+Each round's prompts are split evenly over the rollout orders (``--orders``: left to right, the default,
+and/or by confidence in the model's blocks) and T=0 / T=1; ``--rounds 3`` rolls again with the head trained so far and trains on everything rolled (states
+closer to the trained head's own). Held out: problems 64-127 of the held-out set (``--heldout``), rolled the same ways
 with the stored query logits, per-slot acceptance of head vs those logits (argmax agreement at T=0, sum
 min(p, q) at T=1) and the expected accepted drafts per window. The head and ``train.json`` are saved after
 every round.
@@ -38,7 +38,7 @@ import torch
 from dllm.models.draft_head import DraftHead, DraftHeadConfig
 from dllm.models.loading import SHIPPED
 
-ORDERS = ("left_to_right", "confidence")  # the rollouts' orders: the head drafts for both
+ORDERS = ("left_to_right", "confidence")  # the orders rollouts may take (--orders)
 
 
 @dataclass
@@ -170,8 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dllm.training.two_stream_head",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=str(SHIPPED / "two_stream"), help="a two-stream model folder")
-    parser.add_argument("--prompts", type=int, default=512, help="training prompts per rollout round (>= 4: "
-                        "a quarter each left to right and by confidence, at T=0 and T=1)")
+    parser.add_argument("--prompts", type=int, default=512, help="training prompts per rollout round, split "
+                        "evenly over the orders and T=0 / T=1 (at least one per share)")
+    parser.add_argument("--orders", default="left_to_right", help="comma-separated rollout orders: "
+                        "left_to_right (default; the shipped head), confidence, or both")
     parser.add_argument("--window", type=int, default=6, help="fef window of the rollouts (slots trained)")
     parser.add_argument("--rounds", type=int, default=1, help="rollout rounds; later ones roll the trained head")
     parser.add_argument("--objective", choices=("ce", "tv"), default="tv")
@@ -183,7 +185,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heldout", type=int, default=64, help="held-out problems (from the 65th) per kind")
     parser.add_argument("--output", required=True)
     args = parser.parse_args(argv)
-    for name, low in (("prompts", 4), ("window", 1), ("rounds", 1), ("steps", 1), ("batch_size", 1), ("dim", 1),
+    orders = tuple(args.orders.split(","))
+    if not orders or any(order not in ORDERS for order in orders) or len(set(orders)) != len(orders):
+        print(f"two-stream-head: --orders must be a comma-separated subset of {list(ORDERS)}, got {args.orders!r}",
+              file=sys.stderr)
+        return 2
+    for name, low in (("prompts", 2 * len(orders)), ("window", 1), ("rounds", 1), ("steps", 1), ("batch_size", 1), ("dim", 1),
                       ("layers", 1), ("heldout", 1)):
         if getattr(args, name) < low:
             print(f"two-stream-head: --{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}",
@@ -210,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     head = DraftHead(config)
     gen, start = torch.Generator().manual_seed(derive_seed(0, "two-stream-head")), time.time()
     untrained = DraftHead(head.config).eval()  # zero correction: the marginals
-    kinds = [(order, t) for order in ORDERS for t in (0, 1)]
+    kinds = [(order, t) for order in orders for t in (0, 1)]
     held = {(order, t): collect(model, prompts(heldout_set()[64 : 64 + args.heldout]), untrained, window=args.window,
                                 temperature=float(t), generator=gen, order=order) for order, t in kinds}
     stream = training_stream(derive_seed(0, "two-stream-head-data"))
@@ -220,8 +227,10 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.time()
         batch = list(islice(stream, args.prompts))
         roller = head.eval()
-        data += [collect(model, prompts(batch[i :: len(kinds)]), roller, window=args.window, temperature=float(t),
-                         generator=gen, order=order) for i, (order, t) in enumerate(kinds)]
+        share = len(batch) // len(kinds)  # contiguous shares: the first for kinds[0], ...
+        data += [collect(model, prompts(batch[i * share : (i + 1) * share if i + 1 < len(kinds) else None]), roller,
+                         window=args.window, temperature=float(t), generator=gen, order=order)
+                 for i, (order, t) in enumerate(kinds)]
         windows = RoundWindows.cat(data)
         rolled = time.time() - t0
         head.train()
@@ -240,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         head.save_pretrained(folder)
         (folder / "train.json").write_text(json.dumps({
             "model": args.model, "objective": args.objective, "dim": args.dim, "layers": args.layers,
-            "window": args.window, "orders": list(ORDERS), "prompts_per_round": args.prompts,
+            "window": args.window, "orders": list(orders), "prompts_per_round": args.prompts,
             "rounds_done": round_index + 1, "rounds": args.rounds, "steps_per_round": args.steps,
             "batch_size": args.batch_size, "lr": args.lr,
             "heldout_problems": f"heldout_set()[64:{64 + args.heldout}], rolled with the stored query logits",
