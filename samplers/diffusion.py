@@ -7,7 +7,7 @@ import functools
 
 import torch
 
-from dllm.defaults import TWO_STREAM_HEAD
+from dllm.defaults import default_draft_head
 from dllm.models.draft_head import DraftHead, load_draft_head
 from dllm.protocols import capabilities
 from dllm.stats import DecodeStats, StepEvent
@@ -34,7 +34,7 @@ def run(
         # The two-stream layout has its own exact cached chain and one-call verifier (samplers/two_stream.py).
         return two_stream_decode(model, prompt, gen_length, temperature=temperature, generator=generator, stats=stats,
                                  block_length=block_length, cache=cache, attention_mask=attention_mask,
-                                 eos_token_id=eos_token_id, callback=callback, **_TWO_STREAM[make_stepper](options))
+                                 eos_token_id=eos_token_id, callback=callback, **_TWO_STREAM[make_stepper](options, model))
     canvas = Canvas.start(prompt, gen_length, block_length, model.mask_token_id, eos_token_id)
     stepper: Stepper = make_stepper(temperature, generator, stats, canvas.num_blocks, block_length, **options)
     session = open_session(cache, canvas, model, stats, attention_mask, stepper.lookahead)
@@ -71,16 +71,16 @@ def _dream(temperature, generator, stats, blocks, block_length, *, steps, alg, a
 
 _SEQUENTIAL, _FEF = _stepper(SequentialStepper), _stepper(FefStepper)
 # What sequential and fef pass to the two-stream decoder (its own draft logits; fef's verifier does not apply).
-_TWO_STREAM = {_SEQUENTIAL: lambda options: {"order": options["order"], "window": 0},
-               _FEF: lambda options: {"order": options["order"], "window": options["window"], "sampler": "fef",
-                                      "draft_head": _two_stream_head(options)}}
+_TWO_STREAM = {_SEQUENTIAL: lambda options, model: {"order": options["order"], "window": 0},
+               _FEF: lambda options, model: {"order": options["order"], "window": options["window"], "sampler": "fef",
+                                             "draft_head": _two_stream_head(options, model)}}
 
 
-def _two_stream_head(options) -> DraftHead | None:
-    """fef's draft="head" on a two-stream model: the head given, else the one shipped for that layout."""
+def _two_stream_head(options, model) -> DraftHead | None:
+    """fef's draft="head" on a two-stream model: the head given, else the model's default one."""
     if options["draft"] != "head":
         return None
-    return load_draft_head(TWO_STREAM_HEAD if options["draft_head"] is None else options["draft_head"])
+    return load_draft_head(default_draft_head(model) if options["draft_head"] is None else options["draft_head"])
 
 # The registry's run functions: ``run`` with the sampler's stepper bound (a partial adds no call frame).
 sequential = functools.partial(run, _SEQUENTIAL)

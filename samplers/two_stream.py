@@ -26,9 +26,9 @@ them and the queries' features (``DraftHeadConfig.condition_first``: step 0 read
 which those queries did not see), still without a call of its own. Left to right, the blocks do not change
 the law (position order is the reveal order), so the answer is decoded as one block and windows run
 across the model's blocks. ``cache`` may be ``auto`` or ``none``: the reveal-order cache is exact, so both
-give the same law. Limit: the draft-logit
-buffer is [B, N, V] over the N answer columns (the prompt's are never drafted), in the logits' dtype: 2 GB
-at LLaDA's vocabulary for 8 rows of 512 answer tokens in float32 (to chunk, or keep only live columns).
+give the same law. Limit: the draft-logit buffer is [B, N, V] over the N answer columns (the prompt's are
+never drafted), in the logits' dtype: 2 GB at LLaDA's vocabulary for 8 rows of 512 answer tokens in
+float32 (to chunk, or keep only live columns).
 """
 
 from __future__ import annotations

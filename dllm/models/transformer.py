@@ -561,7 +561,7 @@ class TransformerLM(nn.Module):
         if return_hidden:
             features = self.norm(h)
             return self._project(features), features
-        return self._logits(h)
+        return self.head(h)
 
     def _hidden(self, input_ids, position_ids, query_valid, explicit, cache, use_cache, block_offset) -> Tensor:
         """Last-layer states of the inputs (before the final norm), appended to ``cache`` if asked.  # [B, L, dim]"""
@@ -619,13 +619,13 @@ class TransformerLM(nn.Module):
             past = layout_mask(self.layout, pos, cache.positions, self.config.block_size, block_offset)
             mask = torch.cat([past, mask], dim=2)
         h = self._hidden(tokens, pos, torch.ones_like(tokens, dtype=torch.bool), mask, cache, False, block_offset)
-        targets = self._logits(h[:, length + width :])  # W window queries, then the bonus query
+        targets = self.head(h[:, length + width :])  # W window queries, then the bonus query
         rows = torch.arange(n, device=targets.device)
         targets[rows, count] = targets[:, -1].clone()  # the bonus goes to row count[r], verify's ragged layout
         state = h[:, :length]
         if self.config.shift_logits:
             state = _previous_states(state, state_pos, valid, cache)
-        return targets, self._logits(state)
+        return targets, self.head(state)
 
     def _check_positions(self, position_ids: Tensor) -> None:
         """Positions must index the rotary tables (a clear error instead of a device-side assert)."""
@@ -672,10 +672,6 @@ class TransformerLM(nn.Module):
         forbidden outside the causal layout); ``hidden``: ``(logits, final-normed features)``."""
         features = self.norm(h)
         return (self._project(features), features) if hidden else self._project(features)
-
-    def _logits(self, h: Tensor) -> Tensor:
-        """Final norm and output projection, as float32.  # [B, L, dim] -> [B, L, V]"""
-        return self._project(self.norm(h))
 
     def _project(self, features: Tensor) -> Tensor:
         """Output projection of final-normed features, as float32 (mask token forbidden).  # [B, L, V]"""
