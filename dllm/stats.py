@@ -39,6 +39,11 @@ class DecodeStats:
       INCLUDING the correction or bonus token of a speculative round (vLLM's convention; gpt-fast
       counts accepted drafts only, which is ``accepted / rounds`` here). For non-speculative samplers
       it is the number of tokens committed per step, so both families read the same way.
+    - ``draft_rounds``: the row-rounds that verified at least one draft; ``undrafted_tokens``: the tokens
+      emitted by verification rounds that verified none (such as a sampler's first call after the prompt,
+      which can emit one exact token only). ``tokens_per_draft_round`` is ``(new_tokens -
+      undrafted_tokens) / draft_rounds``, EAGLE's tau (average acceptance length over drafting-verification
+      cycles), comparable across answer lengths (``mean_acceptance_length`` counts the undrafted rounds).
     - ``acceptance_per_position[j]``: among rounds that proposed a draft at window index j, the
       fraction in which it was accepted. Acceptance stops at the first rejection, so this is the
       probability that drafts 0..j were all accepted, given that j was proposed.
@@ -59,6 +64,8 @@ class DecodeStats:
     rounds: int = 0
     drafted: int = 0
     accepted: int = 0
+    draft_rounds: int = 0
+    undrafted_tokens: int = 0
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     wall_time_s: float = 0.0
@@ -86,6 +93,9 @@ class DecodeStats:
         self.count_round(num_emitted)
         self.drafted += int(num_drafts.sum())
         self.accepted += int(num_accepted.sum())
+        drafting = num_drafts > 0
+        self.draft_rounds += int(drafting.sum())
+        self.undrafted_tokens += int(num_emitted[~drafting].sum())
         width = int(num_drafts.max()) if num_drafts.numel() else 0
         self._grow(width)
         for j in range(width):
@@ -102,6 +112,7 @@ class DecodeStats:
     mean_acceptance_length = property(lambda self: _ratio(self.new_tokens, self.rounds))
     acceptance_rate = property(lambda self: _ratio(self.accepted, self.drafted))
     tokens_per_call = property(lambda self: _ratio(self.new_tokens, self.nfe))
+    tokens_per_draft_round = property(lambda self: _ratio(self.new_tokens - self.undrafted_tokens, self.draft_rounds))
     tokens_per_row_call = property(lambda self: _ratio(self.new_tokens, self.row_calls))
     tokens_per_second = property(lambda self: _ratio(self.new_tokens, self.wall_time_s))
 
@@ -113,7 +124,7 @@ class DecodeStats:
         """Sum two runs' counters (e.g. batches of one evaluation)."""
         total = DecodeStats()
         for name in ("nfe", "nfe_draft", "row_calls", "forward_tokens", "forward_tokens_draft", "new_tokens", "rounds",
-                     "drafted", "accepted", "wall_time_s"):
+                     "drafted", "accepted", "draft_rounds", "undrafted_tokens", "wall_time_s"):
             setattr(total, name, getattr(self, name) + getattr(other, name))
         total._grow(max(len(self.drafted_per_position), len(other.drafted_per_position)))
         for src in (self, other):
@@ -125,8 +136,8 @@ class DecodeStats:
     def to_dict(self) -> dict:
         """Counters and derived rates as plain JSON-ready values."""
         out = {k: getattr(self, k) for k in self.__dataclass_fields__}
-        for name in ("mean_acceptance_length", "acceptance_rate", "acceptance_per_position", "tokens_per_call",
-                     "tokens_per_row_call", "tokens_per_second"):
+        for name in ("mean_acceptance_length", "tokens_per_draft_round", "acceptance_rate", "acceptance_per_position",
+                     "tokens_per_call", "tokens_per_row_call", "tokens_per_second"):
             out[name] = getattr(self, name)
         return out
 

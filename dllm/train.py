@@ -86,9 +86,8 @@ def _overrides(items: list[str]) -> dict[str, dict]:
 def _evaluate(args: argparse.Namespace) -> int:
     from dllm.data.tokenizer import load_tokenizer
     from dllm.models.transformer import TransformerLM
-    from dllm.training.evaluate import default_sampler, heldout_accuracy
-
     from dllm.models.two_stream import TwoStreamLM, is_two_stream_folder
+    from dllm.training.evaluate import default_sampler, heldout_accuracy
 
     folder = Path(args.eval)
     model = (TwoStreamLM if is_two_stream_folder(folder) else TransformerLM).from_pretrained(folder)

@@ -14,7 +14,8 @@ COLUMNS = (  # (header, key, format) of the printed and markdown tables
     ("(min-max)", "speedup_range", "{}"), ("s/sample", "s_per_sample", "{:.3f}"),
     ("NFE", "nfe", "{}"), ("NFE draft", "nfe_draft", "{}"), ("fwd tok/tok", "forward_tokens_per_token", "{:.1f}"),
     ("tok/call", "tokens_per_call", "{:.2f}"), ("tok/row-call", "tokens_per_row_call", "{:.2f}"),
-    ("acc. len", "mean_acceptance_length", "{:.2f}"), ("accuracy", "accuracy", "{:.3f}"),
+    ("acc. len", "mean_acceptance_length", "{:.2f}"), ("tau", "tokens_per_draft_round", "{:.2f}"),
+    ("accuracy", "accuracy", "{:.3f}"),
 )
 
 

@@ -93,15 +93,25 @@ def ar_spec(
     kv = _rollback_cache(model) if _use_cache(cache, model) else None  # holds [0, min(len) - 1) of every row
     proposer = _make_drafter(drafter, Caller(drafter, stats, attention_mask=full_mask, draft=True), cache, max_ngram,
                              prompt_len, draft_head, model)
-    features = None  # [R, D] target features at length - 2, for a drafter that wants them
+    features = None  # [B, P + N, D] the target's features at every position fed so far, for a drafter that wants them
     while rows.numel():
         length = lengths[rows]
         num_drafts = torch.clamp(total - length - 1, max=num_draft_tokens)  # leave room for the bonus
+        context = None if features is None else _feature_context(features, rows, length, proposer.feature_context,
+                                                                  full_mask)
         draft = proposer.propose(seq[rows], length, num_draft_tokens,
-                                 DraftContext(rows, num_drafts, temperature, generator, model.vocab_size, features))
+                                 DraftContext(rows, num_drafts, temperature, generator, model.vocab_size,
+                                              *(context or (None, None))))
         drafts, num_drafts = draft.tokens, draft.count
         target = _target_rows(caller, kv, seq[rows], rows, length, drafts, proposer.wants_features)  # [R, K + 1, V]
-        target, hidden = target if proposer.wants_features else (target, None)
+        if proposer.wants_features:
+            target, (fed, start) = target
+            if features is None:
+                features = fed.new_zeros((batch, total, fed.shape[-1]))
+            # Every fed position's feature is written; those up to each row's new length - 2 held final
+            # tokens when fed, later ones are rewritten next round (the cache rolls back to before them).
+            width = min(fed.shape[1], total - start)
+            features[rows[:, None], start + torch.arange(width, device=seq.device)] = fed[:, :width]
         outcome = rejection_sample(drafts, draft.logits, target, num_drafts, temperature=temperature,
                                    noise=Noise(generator=bind_rows(generator, rows)))
         stats.count_verification(num_drafts, outcome.num_accepted, outcome.num_emitted)
@@ -110,14 +120,11 @@ def ar_spec(
         hit = offsets[None, :] < emitted[:, None]
         seq[rows[:, None].expand_as(hit)[hit], (length[:, None] + offsets)[hit]] = outcome.tokens[hit]
         lengths[rows] += emitted
-        if hidden is not None:  # the new length - 2 is the position of verify row emitted - 1
-            features = hidden[torch.arange(len(rows), device=seq.device), (emitted - 1).clamp(min=0)]
         if callback is not None:
             callback(StepEvent("ar_spec", rows, seq[rows], drafts=drafts, num_drafts=num_drafts,
                                num_accepted=outcome.num_accepted, target_logits=target))
         keep = (lengths[rows] < total) & ~stopped
         rows = rows[keep]
-        features = None if features is None else features[keep]
         if rows.numel():
             kept = None if bool(keep.all()) else keep.nonzero().squeeze(-1)
             accepted = int(lengths[rows].min()) - 1  # tokens every row holds for sure (drafts match before)
@@ -126,6 +133,17 @@ def ar_spec(
                 kv.crop(accepted)
             proposer.rollback(kept, accepted)
     return seq
+
+
+def _feature_context(features, rows, length, width: int, full_mask) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's features at positions length - 1 - width .. length - 2 of each row [R, width, D] and
+    which of them are a real token's [R, width] bool (not before position 0, not left padding)."""
+    at = length[:, None] - 1 - width + torch.arange(width, device=length.device)
+    valid = at >= 0
+    at = at.clamp(min=0)
+    if full_mask is not None:
+        valid &= full_mask[rows[:, None], at].bool()
+    return features[rows[:, None], at], valid
 
 
 def _rollback_cache(model):
@@ -181,7 +199,7 @@ def _make_drafter(drafter, caller: Caller, cache: str, max_ngram: int, prompt_le
 
 def _target_rows(caller: Caller, kv, seq, rows, length, drafts, hidden=False):
     """Target logits for each draft position and the bonus: one call on sequence + drafts -> [R, K + 1, V]
-    (``hidden``: and the target's features at those positions [R, K + 1, D]).
+    (``hidden``: and (the target's features at every position fed [R, L, D], the first one's position)).
 
     With a cache holding [0, c), only tokens from c on are fed (each row's unverified tail and drafts).
     Inputs stop at position total - 2 (see the module docstring); rows past it repeat the last one.
@@ -197,7 +215,7 @@ def _target_rows(caller: Caller, kv, seq, rows, length, drafts, hidden=False):
                             append=True, **extra)
     at = length[:, None] - 1 - start + torch.arange(width + 1, device=seq.device)  # position t predicts t + 1
     index = (torch.arange(seq.shape[0], device=seq.device)[:, None], at.clamp(max=extended.shape[1] - start - 1))
-    return (out[0][index], out[1][index]) if hidden else out[index]
+    return (out[0][index], (out[1], start)) if hidden else out[index]
 
 
 def _block_size(model) -> int | None:

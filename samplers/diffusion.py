@@ -34,7 +34,8 @@ def run(
         # The two-stream layout has its own exact cached chain and one-call verifier (samplers/two_stream.py).
         return two_stream_decode(model, prompt, gen_length, temperature=temperature, generator=generator, stats=stats,
                                  block_length=block_length, cache=cache, attention_mask=attention_mask,
-                                 eos_token_id=eos_token_id, callback=callback, **_TWO_STREAM[make_stepper](options, model))
+                                 eos_token_id=eos_token_id, callback=callback,
+                                 **_TWO_STREAM[make_stepper](options, model))
     canvas = Canvas.start(prompt, gen_length, block_length, model.mask_token_id, eos_token_id)
     stepper: Stepper = make_stepper(temperature, generator, stats, canvas.num_blocks, block_length, **options)
     session = open_session(cache, canvas, model, stats, attention_mask, stepper.lookahead)

@@ -53,15 +53,19 @@ class DraftContext:
     temperature: float
     generator: torch.Generator
     vocab_size: int  # the target's vocabulary; logits past it are dropped
-    # [R, D] the target's final-normed features at position length - 2 of each row, from the last
-    # verification call (None before it); given only to a drafter that declares ``wants_features``
+    # [R, C, D] the target's final-normed features at positions length - 1 - C .. length - 2 of each row
+    # (C = the drafter's ``feature_context``), from the verification calls so far (None before the first);
+    # given only to a drafter that declares ``wants_features``; ``feature_valid`` [R, C] marks the positions
+    # that hold a real token's feature (not before the row's first token: padding, or before position 0)
     features: torch.Tensor | None = None
+    feature_valid: torch.Tensor | None = None
 
 
 class Drafter:
     """Base class: ``propose`` drafts, ``rollback`` forgets rejected work (default: nothing to forget)."""
 
     wants_features = False  # True: ar_spec verifies with return_hidden and passes DraftContext.features
+    feature_context = 1  # how many positions (ending at length - 2) DraftContext.features holds
 
     def propose(self, sequences: torch.Tensor, lengths: torch.Tensor, k: int, ctx: DraftContext) -> Draft:
         raise NotImplementedError

@@ -36,7 +36,8 @@ class HeadDrafts(MarginalDrafts):
         features = self.features[rows[:, None], positions]  # [R, W, D]
         base = draft_logits[rows[:, None], positions]  # [R, W, V]
         offsets = positions - torch.cat([positions[:, :1], positions[:, :-1]], dim=1)  # s_j - s_{j-1}
-        return head_drafts(self.head, features, base, torch.zeros_like(positions[:, 0]), offsets, temperature, generator,
+        return head_drafts(self.head, features, base, torch.zeros_like(positions[:, 0]), offsets, temperature,
+                           generator,
                            view.mask_token_id)
 
 

@@ -1,8 +1,9 @@
 """Trained-head drafters for ``ar_spec`` (heads in ``dllm/models/ar_heads.py``), behind the ``Drafter`` interface.
 
-- ``EagleDrafter`` (``drafter="head"``): k steps of an EAGLE head on the target's features, no model
-  call. Its first round proposes nothing (the target has not yet computed a feature), so that round is
-  plain ``ar``'s first step, and its verification call yields the features of every later round.
+- ``EagleDrafter`` (``drafter="head"``): k steps of an EAGLE head on the target's features of the last
+  ``context`` positions (``DraftContext.features``), no model call. Its first round proposes nothing (the
+  target has not yet computed a feature), so that round is plain ``ar``'s first step, and its
+  verification call yields the features of every later round.
 - ``RepairDrafter`` (a DiffusionModel drafter with ``draft_head=`` a repair head): the diffusion
   drafter's one call gives the block's marginals and features, then the repair head rewrites the block
   left to right, each draft sampled from the head's logits given the drafts before it.
@@ -18,7 +19,15 @@ from pathlib import Path
 
 import torch
 
-from dllm.models.ar_heads import DEFAULT_EAGLE, EagleHead, RepairHead, backbone_parts, check_head, eagle_step, load_head
+from dllm.models.ar_heads import (
+    DEFAULT_EAGLE,
+    EagleHead,
+    RepairHead,
+    backbone_parts,
+    check_head,
+    eagle_draft,
+    load_head,
+)
 from dllm.numerics import bind_rows, sample_from_logits
 from dllm.protocols import capabilities, is_diffusion_model
 
@@ -32,26 +41,29 @@ def _sample(logits: torch.Tensor, ctx) -> torch.Tensor:
 
 @dataclass
 class EagleDrafter(Drafter):
-    """Drafts k tokens by autoregressing an EAGLE head on the target's features (``DraftContext.features``)."""
+    """Drafts k tokens with an EAGLE head on the target's recent features (``DraftContext.features``)."""
 
     head: torch.nn.Module
     target: object  # the AR target: its embeddings, final norm and output projection, frozen
 
     wants_features = True
 
+    def __post_init__(self) -> None:
+        self.feature_context = self.head.config.context
+
     def propose(self, sequences, lengths, k, ctx) -> Draft:
         rows = torch.arange(sequences.shape[0], device=sequences.device)
-        tokens = torch.zeros((len(rows), k), dtype=torch.long, device=sequences.device)
-        logits = torch.zeros((len(rows), k, ctx.vocab_size), device=sequences.device)
         if ctx.features is None:  # the first round: no verified feature yet, so no drafts
+            tokens = torch.zeros((len(rows), k), dtype=torch.long, device=sequences.device)
+            logits = torch.zeros((len(rows), k, ctx.vocab_size), device=sequences.device)
             return Draft(tokens, logits, torch.zeros_like(ctx.num_drafts))
-        features, token = ctx.features.to(next(self.head.parameters()).dtype), sequences[rows, lengths - 1]
+        width = ctx.features.shape[1]  # positions length - 1 - width .. length - 2; the tokens after them
+        after = (lengths[:, None] - width + torch.arange(width, device=sequences.device)).clamp(min=0)
+        features = ctx.features.to(next(self.head.parameters()).dtype)
         with torch.no_grad():
-            for j in range(k):
-                features, step_logits = eagle_step(self.head, self.target, features, token)
-                logits[:, j] = step_logits[:, : ctx.vocab_size]
-                token = tokens[:, j] = _sample(logits[:, j], ctx)
-        return Draft(tokens, logits, ctx.num_drafts)
+            logits, tokens = eagle_draft(self.head, self.target, features, sequences[rows[:, None], after],
+                                         ctx.feature_valid, k, lambda step: _sample(step[:, : ctx.vocab_size], ctx))
+        return Draft(tokens, logits[..., : ctx.vocab_size].float(), ctx.num_drafts)
 
 
 @dataclass

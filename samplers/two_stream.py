@@ -176,7 +176,8 @@ def _drafts(state, rows, candidates, temperature, generator, order, window):
     if not window or state.draft_logits is None:
         empty = torch.zeros((n, 0), dtype=torch.long, device=rows.device)
         vocab = state.model.vocab_size
-        return empty, torch.zeros(n, dtype=torch.long, device=rows.device), empty, torch.zeros((n, 0, vocab), device=rows.device)
+        return (empty, torch.zeros(n, dtype=torch.long, device=rows.device), empty,
+                torch.zeros((n, 0, vocab), device=rows.device))
     draft_logits, start = state.draft_logits[rows], state.start
     positions, count = choose_window(order, draft_logits, (candidates & state.have[rows])[:, start:], state.mask_id,
                                      window)  # answer columns; canvas columns below

@@ -47,7 +47,36 @@ def test_every_sampler_runs(sampler, options, temperature):
     assert stats.forward_tokens >= stats.nfe * 11 // 2
     assert stats.tokens_per_call == pytest.approx(16 / stats.nfe)
     assert stats.mean_acceptance_length == pytest.approx(stats.new_tokens / stats.rounds)
+    assert stats.undrafted_tokens <= stats.new_tokens and stats.draft_rounds <= stats.rounds
     assert out.exact == SAMPLERS[sampler].exact
+
+
+def test_tokens_per_draft_round_leaves_out_rounds_without_drafts():
+    """EAGLE's tau: a round with nothing to verify (a first call after the prompt) is not a drafting round."""
+    stats = dllm.DecodeStats()
+    stats.count_verification(torch.tensor([0, 0]), torch.tensor([0, 0]), torch.tensor([1, 1]))  # first calls
+    stats.count_verification(torch.tensor([4, 4]), torch.tensor([4, 1]), torch.tensor([5, 2]))
+    assert (stats.rounds, stats.draft_rounds, stats.undrafted_tokens) == (4, 2, 2)
+    assert stats.mean_acceptance_length == pytest.approx(9 / 4)
+    assert stats.tokens_per_draft_round == pytest.approx(7 / 2)
+    assert (stats + stats).tokens_per_draft_round == pytest.approx(7 / 2)
+    assert stats.to_dict()["tokens_per_draft_round"] == pytest.approx(7 / 2)
+
+
+def test_tokens_per_draft_round_counts_the_answer_only():
+    """Tokens a round emits past a row's EOS are not tokens of the answer (``new_tokens``), nor of tau."""
+    from dllm.data.synthetic import format_example, heldout_set
+    from dllm.data.tokenizer import load_tokenizer
+
+    model = dllm.load("two_stream")
+    tokenizer = load_tokenizer(dllm.models.loading.SHIPPED / "two_stream" / "tokenizer.json")
+    ids = tokenizer(format_example(heldout_set()[1]["question"]), add_special_tokens=False)["input_ids"]
+    out = dllm.generate(model, torch.tensor([ids]), sampler="fef", max_new_tokens=64, temperature=0.0, window=8)
+    stats = out.stats
+    assert stats.new_tokens < 64  # the answer stops at EOS inside a round (that round emitted 9 tokens)
+    assert stats.draft_rounds == stats.rounds - 1  # the first call has nothing to verify
+    assert stats.tokens_per_draft_round == pytest.approx((stats.new_tokens - 1) / (stats.rounds - 1))
+    assert stats.tokens_per_draft_round <= 9  # window 8 + the correction
 
 
 def test_same_generator_seed_replays():

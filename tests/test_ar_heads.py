@@ -9,7 +9,16 @@ import pytest
 import torch
 
 import dllm
-from dllm.models.ar_heads import EagleHead, HeadConfig, RepairHead, load_head, new_head, save_head
+from dllm.models.ar_heads import (
+    EagleHead,
+    HeadConfig,
+    RepairHead,
+    eagle_draft,
+    eagle_train_logits,
+    load_head,
+    new_head,
+    save_head,
+)
 from dllm.models.oracle import HMMOracle
 from dllm.models.transformer import TransformerConfig, TransformerLM
 from dllm.samplers import sequential_distribution
@@ -118,25 +127,59 @@ def test_head_drafters_greedy_equal_ar(target, eagle, oracle, diffusion, repair,
 
 
 class _Recording(EagleDrafter):
-    """Checks each round's features against the target's own features at length - 2."""
+    """Checks each round's context against the target's own features at length - 1 - C .. length - 2."""
 
     def propose(self, sequences, lengths, k, ctx):
         if ctx.features is not None:
-            for r in range(len(lengths)):
-                _, feats = self.target(sequences[r : r + 1, : lengths[r] - 1], return_hidden=True)
-                torch.testing.assert_close(ctx.features[r], feats[0, -1], rtol=1e-4, atol=1e-5)
+            width = self.feature_context
+            assert ctx.features.shape[1] == width
+            for r, row in enumerate(ctx.rows.tolist()):
+                first = self.first[row]  # the row's first real token (left padding before it)
+                ids = sequences[r : r + 1, first : lengths[r] - 1]
+                _, feats = self.target(ids, return_hidden=True)
+                at = lengths[r] - 1 - width + torch.arange(width)
+                torch.testing.assert_close(ctx.feature_valid[r], at >= first)
+                real = at[at >= first] - first
+                torch.testing.assert_close(ctx.features[r][at >= first], feats[0, real], rtol=1e-4, atol=1e-5)
             self.checked += 1
         return super().propose(sequences, lengths, k, ctx)
 
 
 @pytest.mark.parametrize("cache", ["auto", "none"])
-def test_eagle_drafter_reads_the_feature_at_length_minus_two(target, eagle, cache):
-    drafter = _Recording(eagle, target)
+@pytest.mark.parametrize("context", [2, 64])
+def test_eagle_drafter_reads_the_last_features(target, cache, context):
+    """The context is the target's features of the tokens so far, padding and positions < 0 marked invalid."""
+    torch.manual_seed(1)
+    drafter = _Recording(EagleHead(HeadConfig("eagle", 16, 3, 32, context=context)).eval(), target)
     drafter.checked = 0
-    prompts = torch.tensor([[0, 2, 1], [1, 1, 0]])
+    prompts = torch.tensor([[0, 2, 1], [0, 1, 0]])
+    mask = torch.tensor([[1, 1, 1], [0, 1, 1]])  # row 1 left-padded: a position-0 pad
+    drafter.first = [0, 1]
     ar_spec(target, prompts, 10, temperature=1.0, generator=torch.Generator().manual_seed(0), stats=DecodeStats(),
-            drafter=drafter, num_draft_tokens=3, cache=cache)
+            drafter=drafter, num_draft_tokens=3, cache=cache, attention_mask=mask)
     assert drafter.checked >= 2
+
+
+def test_eagle_training_unroll_is_the_drafting_loop(target):
+    """eagle_train_logits[t, :, i] is what eagle_draft computes from the context ending at i - t, with the
+    sequence's own tokens as the drafts (the training-time test trains exactly the steps that draft)."""
+    torch.manual_seed(4)
+    head = EagleHead(HeadConfig("eagle", 16, 3, 32, context=3)).eval()
+    ids = torch.randint(0, 3, (2, 12))
+    _, features = target(ids, return_hidden=True)
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    valid[1, :2] = False  # padding in row 1
+    tokens = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)  # token i + 1 at i
+    depth = 4
+    with torch.no_grad():
+        train = eagle_train_logits(head, target, features, tokens, valid, depth)
+        for c in (2, 4, 6):  # context ending at position c: positions c - 2 .. c
+            ctx = slice(c - 2, c + 1)
+            script = iter(ids[:, c + 2 : c + 2 + depth].T)  # the drafts: the sequence's own tokens
+            logits, drafts = eagle_draft(head, target, features[:, ctx], tokens[:, ctx], valid[:, ctx], depth,
+                                         lambda step, script=script: next(script))
+            for t in range(depth):
+                torch.testing.assert_close(logits[:, t], train[t, :, c + t], rtol=1e-4, atol=1e-5)
 
 
 def test_untrained_repair_head_drafts_the_marginals(oracle, diffusion):
@@ -155,8 +198,11 @@ def test_untrained_repair_head_drafts_the_marginals(oracle, diffusion):
 def test_head_round_trip(tmp_path, eagle):
     save_head(eagle, tmp_path / "h")
     loaded = load_head(tmp_path / "h")
-    x, e = torch.randn(2, 16), torch.randn(2, 16)
-    torch.testing.assert_close(loaded(x, e), eagle(x, e))
+    assert loaded.config == eagle.config
+    x, e = torch.randn(2, 5, 16), torch.randn(2, 5, 16)
+    positions = torch.arange(5).expand(2, 5)
+    mask = torch.ones((5, 5), dtype=torch.bool).tril().expand(2, 1, 5, 5)
+    torch.testing.assert_close(loaded(x, e, positions, mask), eagle(x, e, positions, mask))
 
 
 def test_bad_draft_heads_are_refused_with_the_parameter_named(target, eagle, oracle, diffusion, repair, tmp_path):

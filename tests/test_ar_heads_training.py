@@ -12,7 +12,15 @@ from dllm.data.synthetic import PRESETS
 from dllm.data.tokenizer import load_tokenizer
 from dllm.models.ar_heads import load_head, save_head
 from dllm.models.transformer import TransformerConfig, TransformerLM
-from dllm.training.ar_heads import HeadRecipe, _Models, main, offline_loss, on_policy_loss, train_head
+from dllm.training.ar_heads import (
+    HeadRecipe,
+    _Models,
+    _rollout_examples,
+    main,
+    offline_loss,
+    on_policy_loss,
+    train_head,
+)
 from dllm.training.batches import build_batch, step_problems, tokenize_problems
 from dllm.training.recipes import RECIPES
 
@@ -95,6 +103,27 @@ def test_recipes_are_registered_and_refuse_bad_keys(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--output", str(tmp_path), "--set", "window=3"])
     assert "unknown keys ['window']" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--output", str(tmp_path), "--set", "data='web'"])
+    assert "data must be 'rollouts' or 'stream'" in capsys.readouterr().err
+
+
+def test_rollout_data_is_the_targets_own_answers(backbones):
+    """data='rollouts': the first half of a step's prompts get the target's greedy answer (up to its EOS),
+    the rest a T=1 sample; the prompts are kept and the generation's tokens count in the budget."""
+    recipe = HeadRecipe(kind="eagle", target=backbones["ar"], hidden=32, eval_new_tokens=12)
+    models = _Models(recipe)
+    tokenizer = load_tokenizer(Path(recipe.target) / "tokenizer.json")
+    examples = tokenize_problems(step_problems(0, 0, 4, 0, 1, PRESETS["default"]), tokenizer, "causal", None, 0)
+    rolled = _rollout_examples(models, recipe, examples, seed=3)
+    assert [e.prompt for e in rolled] == [e.prompt for e in examples]
+    eos = models.target.eos_token_id
+    for e in rolled[:2]:
+        greedy = dllm.generate(models.target, torch.tensor([e.prompt]), sampler="ar", max_new_tokens=12,
+                               temperature=0.0, eos_token_id=eos).sequences[0, len(e.prompt):].tolist()
+        assert list(e.region) == (greedy[: greedy.index(eos) + 1] if eos in greedy else greedy)
+        assert e.answer_tokens == len(e.region)
+    assert models.tokens == sum(len(e.prompt) + len(e.region) for e in rolled)
 
 
 def test_init_starts_from_a_saved_head_of_the_same_kind(backbones, tmp_path):

@@ -2,10 +2,13 @@
 
 Two kinds, one file format (``config.json`` with ``kind``, ``model.safetensors``):
 
-- ``"eagle"`` (EAGLE-1, Li et al. 2024, sec. 3): reads the AR target's final-normed feature f_t at the
-  last position the target verified and the embedding of the token after it, predicts the next feature
-  (then the target's own final norm and output projection, frozen, give the draft's logits) and
-  autoregresses on its own features: k head steps per round, no backbone call.
+- ``"eagle"`` (EAGLE, Li et al. 2024; EAGLE-3's training-time test): one pre-norm transformer layer
+  over pairs (target feature f_i, embedding of token i + 1), causal over the last ``context`` positions
+  whose features the target computed; its output, through the target's own final norm and output
+  projection (frozen), drafts token i + 2 and stands in for f_{i+1} at the next step, so k head steps
+  draft k tokens with no backbone call, each step attending to the true features of the context and to
+  the head's own earlier steps (``eagle_draft``; ``eagle_train_logits`` unrolls the same steps in
+  parallel for training).
 - ``"repair"`` (Domino-style): the diffusion drafter proposes k marginals in one call; the head rewrites
   the block left to right: step j reads the drafter's feature at draft position j, the embedding of the
   repaired token j-1 and its own running state, and adds a correction to the drafter's feature before
@@ -27,30 +30,37 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from .transformer import TransformerLM, _RMSNorm, _SwiGLU
+from .transformer import TransformerConfig, TransformerLM, _apply_rotary, _Block, _RMSNorm, _Rotary, _SwiGLU
 
 KINDS = ("eagle", "repair")
+ROTARY_LEN = 4096  # positions the EAGLE head's rotary tables cover (training sequences, context + drafts)
 SHIPPED = Path(__file__).resolve().parent.parent / "weights"
 DEFAULT_EAGLE = SHIPPED / "ar_eagle"  # the EAGLE head trained for dllm/weights/ar
 
 
 @dataclass(frozen=True)
 class HeadConfig:
-    """A head's shape: ``kind`` (KINDS), the backbone's feature width ``dim`` and vocabulary, MLP width."""
+    """A head's shape: ``kind`` (KINDS), the backbone's feature width ``dim`` and vocabulary, MLP width;
+    an EAGLE head's attention heads and ``context`` (target features it attends to before its drafts)."""
 
     kind: str
     dim: int
     vocab_size: int
     hidden: int
     norm_eps: float = 1e-5
+    n_heads: int = 4
+    context: int = 64
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"draft head kind must be one of {KINDS}, got {self.kind!r}")
-        for name in ("dim", "vocab_size", "hidden"):
+        for name in ("dim", "vocab_size", "hidden", "n_heads", "context"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"draft head {name} must be a positive int, got {value!r}")
+        if self.kind == "eagle" and (self.dim % self.n_heads or (self.dim // self.n_heads) % 2):
+            raise ValueError(f"an eagle head's dim ({self.dim}) must split into n_heads ({self.n_heads}) heads of "
+                             "even width (rotary positions)")
 
 
 class _Core(nn.Module):
@@ -69,15 +79,43 @@ class _Core(nn.Module):
 
 
 class EagleHead(nn.Module):
-    """f_{t+1} = norm_target(core(f_t, e(x_{t+1}))): the next feature from a feature and the next token."""
+    """h_i = block(fuse(norm(f_i), norm(e(x_{i+1})))): one causal transformer layer over (feature, next token)
+    pairs; norm_target(h_i) is the predicted f_{i+1} (its logits draft x_{i+2})."""
 
     def __init__(self, config: HeadConfig):
         super().__init__()
         self.config = config
-        self.core = _Core(config, 2)
+        self.norms = nn.ModuleList(_RMSNorm(config.dim, config.norm_eps) for _ in range(2))
+        self.fuse = nn.Linear(2 * config.dim, config.dim, bias=False)
+        layer = TransformerConfig(vocab_size=config.vocab_size, dim=config.dim, n_layers=1, n_heads=config.n_heads,
+                                  mlp_hidden=config.hidden, max_seq_len=ROTARY_LEN, norm_eps=config.norm_eps)
+        self.block = _Block(layer)
+        self.rotary = _Rotary(layer.head_dim, ROTARY_LEN, layer.rope_theta)
 
-    def forward(self, features: Tensor, embeddings: Tensor) -> Tensor:  # [..., D], [..., D] -> [..., D] (pre-norm)
-        return self.core(features, embeddings)
+    def forward(self, features: Tensor, embeddings: Tensor, positions: Tensor, mask: Tensor,
+                past: tuple[Tensor, Tensor] | None = None, last: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """features, embeddings [R, L, D], positions [R, L], mask [R, 1, L, P + L] (True: attend), keys and
+        values of P earlier inputs -> (outputs [R, L, D] before the target's final norm, this call's keys and
+        values [R, H, L, Dh]). ``last``: outputs of the last ``last`` inputs only (keys and values of all):
+        a context's earlier outputs are never read, and the layer's MLP over them would dominate a round."""
+        x = self.fuse(torch.cat([self.norms[0](features), self.norms[1](embeddings)], dim=-1))
+        cos, sin = self.rotary(positions)
+        if last is None or last >= x.shape[1]:
+            return self.block(x, cos, sin, mask, past)
+        split = x.shape[1] - last
+        k, v = self._keys_values(x[:, :split], cos[:, :split], sin[:, :split])
+        if past is not None:
+            k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+        out, k_last, v_last = self.block(x[:, split:], cos[:, split:], sin[:, split:], mask[:, :, split:], (k, v))
+        return out, torch.cat([k[:, :, -split:], k_last], dim=2), torch.cat([v[:, :, -split:], v_last], dim=2)
+
+    def _keys_values(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """The layer's keys and values of inputs x [R, L, D] (as its attention computes them) -> 2 x [R, H, L, Dh]."""
+        attn = self.block.attn
+        width = attn.n_kv_heads * attn.head_dim
+        _, k, v = attn.wqkv(self.block.attn_norm(x)).split([attn.n_heads * attn.head_dim, width, width], dim=-1)
+        k = _apply_rotary(k.unflatten(-1, (attn.n_kv_heads, attn.head_dim)).transpose(1, 2), cos, sin)
+        return k, v.unflatten(-1, (attn.n_kv_heads, attn.head_dim)).transpose(1, 2)
 
 
 class RepairHead(nn.Module):
@@ -106,21 +144,65 @@ def backbone_parts(model) -> tuple[nn.Module, nn.Module, object]:
     return model.tok_embeddings, model.norm, model._project
 
 
-def eagle_step(head: EagleHead, backbone, features: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
-    """One EAGLE step: features [R, D] at t, tokens [R] at t + 1 -> (features at t + 1 [R, D], logits [R, V])."""
+def eagle_draft(head: EagleHead, backbone, features: Tensor, tokens: Tensor, valid: Tensor, k: int,
+                pick) -> tuple[Tensor, Tensor]:
+    """Draft k tokens after a context of C positions: the target's features [R, C, D] at positions
+    n - 1 - C .. n - 2, the tokens after each (positions n - C .. n - 1) [R, C], which context positions
+    hold real features [R, C] bool (the last one must), ``pick`` (logits [R, V] -> tokens [R]) ->
+    (logits [R, k, V] each draft was picked from, drafts [R, k]). Differentiable (no no_grad here)."""
     embed, norm, project = backbone_parts(backbone)
-    nxt = norm(head(features, embed(tokens)))
-    return nxt, project(nxt)
+    rows, width = tokens.shape
+    causal = torch.ones((width, width), dtype=torch.bool, device=tokens.device).tril()
+    eye = torch.eye(width, dtype=torch.bool, device=tokens.device)
+    mask = ((causal & valid[:, None, :]) | eye)[:, None]  # a padded query attends to itself (never read)
+    positions = torch.arange(width, device=tokens.device).expand(rows, width)
+    out, keys, values = head(features, embed(tokens), positions, mask, last=1)
+    feature, logits, drafts = norm(out), [], []
+    keep = valid[:, None, None, :]
+    for j in range(k):
+        logits.append(project(feature[:, 0]))
+        drafts.append(pick(logits[-1]))
+        if j == k - 1:
+            break
+        step_mask = torch.cat([keep, keep.new_ones((rows, 1, 1, j + 1))], dim=-1)
+        at = torch.full((rows, 1), width + j, device=tokens.device)
+        out, k_new, v_new = head(feature, embed(drafts[-1])[:, None], at, step_mask, (keys, values))
+        keys, values = torch.cat([keys, k_new], dim=2), torch.cat([values, v_new], dim=2)
+        feature = norm(out)
+    return torch.stack(logits, dim=1), torch.stack(drafts, dim=1)
 
 
-def eagle_unroll(head: EagleHead, backbone, features: Tensor, tokens: Tensor) -> Tensor:
-    """Teacher-forced unroll for training: features [..., D] at t, tokens [..., n] at t+1..t+n ->
-    logits [..., n, V] for the tokens at t+2..t+n+1 (step i autoregresses on step i-1's feature)."""
-    out = []
-    for i in range(tokens.shape[-1]):
-        features, logits = eagle_step(head, backbone, features, tokens[..., i])
-        out.append(logits)
-    return torch.stack(out, dim=-2)
+def eagle_train_logits(head: EagleHead, backbone, features: Tensor, tokens: Tensor, valid: Tensor,
+                       depth: int) -> Tensor:
+    """Teacher-forced drafting from every position at once (EAGLE-3's training-time test): features [B, L, D]
+    of the target, tokens [B, L] (token i + 1 at i), valid [B, L] bool -> logits [depth, B, L, V], where
+    [t, b, i] is the draft for token i + 2 of a chain whose context ends at i - t (steps 1..t fed the head's
+    own features and the tokens of the sequence), exactly what ``eagle_draft`` computes from that context
+    with these tokens as drafts."""
+    embed, norm, project = backbone_parts(backbone)
+    batch, length = tokens.shape
+    i = torch.arange(length, device=tokens.device)
+    positions = i.expand(batch, length)
+    e = embed(tokens)
+    window = head.config.context
+    keys = values = None
+    inputs, out_logits = features, []
+    for t in range(depth):
+        # depth-0 keys j with i - t - window < j <= i - t (valid); depth-s keys (1 <= s <= t) at j = i - t + s
+        offset = i[None, :] - i[:, None]  # [query i, key j] j - i
+        base = (offset <= -t) & (offset > -t - window) & valid[:, None, :]
+        base = base | ((offset == 0) & (t == 0))  # padding attends to itself (never read)
+        parts = [base] + [(offset == s - t).expand(batch, length, length) for s in range(1, t + 1)]
+        mask = torch.cat(parts, dim=-1)[:, None]
+        past = None if keys is None else (keys, values)
+        out, k_new, v_new = head(inputs, e, positions, mask, past)
+        keys = k_new if keys is None else torch.cat([keys, k_new], dim=2)
+        values = v_new if values is None else torch.cat([values, v_new], dim=2)
+        predicted = norm(out)  # [B, L, D]: f_{i+1} as chain depth t sees it
+        out_logits.append(project(predicted))
+        # position i reads the f_i predicted at i - 1 (position 0 has none: zeros, never a valid query)
+        inputs = torch.cat([torch.zeros_like(predicted[:, :1]), predicted[:, :-1]], dim=1)
+    return torch.stack(out_logits)
 
 
 def repair_unroll(head: RepairHead, backbone, features: Tensor, previous: Tensor) -> Tensor:

@@ -6,10 +6,15 @@
 The targets are free: the AR target's next-token distributions (no_grad) on the synthetic training stream
 (``dllm.data.synthetic``, the data the target was trained on). Objectives (``draft_losses.py``):
 
-- ``ce`` / ``tv`` (offline): teacher forcing on the data. The EAGLE head unrolls ``unroll`` steps from
-  the target's feature at every answer position, each step fed the data token and its own previous
-  feature (so training sees the drift it meets when drafting); the repair head rewrites a block of
+- ``ce`` / ``tv`` (offline): teacher forcing on the sequences. The EAGLE head drafts ``unroll`` steps
+  from every answer position at once (``eagle_train_logits``: EAGLE-3's training-time test, each step
+  fed the sequence's token and the head's own previous output in place of the target's feature, so
+  training sees the drift it meets when drafting); the repair head rewrites a block of
   ``num_draft_tokens`` drafts from the diffusion drafter's features at ``starts`` random answer positions.
+  With ``data = "rollouts"`` (the default) the answers are the target's own continuations of each
+  step's prompts (half greedy, half sampled at T=1; their forward tokens count in the budget): the
+  sequences ar_spec meets, where at T=0 the accepted drafts ARE the target's greedy chain. ``data =
+  "stream"`` trains on the data's answers.
 - ``opd`` (on-policy, Draft-OPD): the head drafts ``num_draft_tokens`` tokens (sampled, T=1) from random
   answer positions, the target verifies them (one call), forward KL where accepted and reverse KL where
   rejected (positions after the first rejection are off-policy and dropped), then one replay rollout from
@@ -38,15 +43,15 @@ from dllm.data.tokenizer import load_tokenizer
 from dllm.models.ar_heads import (
     HeadConfig,
     check_head,
-    eagle_step,
-    eagle_unroll,
+    eagle_draft,
+    eagle_train_logits,
     load_head,
     new_head,
     repair_unroll,
     save_head,
 )
 from dllm.models.transformer import TransformerLM
-from dllm.training.batches import IGNORE, build_batch, derive_seed, step_problems, tokenize_problems
+from dllm.training.batches import IGNORE, Example, build_batch, derive_seed, step_problems, tokenize_problems
 from dllm.training.draft_losses import OBJECTIVES, draft_loss
 
 WEIGHTS = Path(__file__).resolve().parent.parent / "weights"
@@ -72,12 +77,17 @@ class HeadRecipe:
     eval_prompts: int = 16
     eval_new_tokens: int = 64
     init: str = ""  # a head folder to start from (Draft-OPD starts from an offline-trained head)
+    data: str = "rollouts"  # offline sequences: "rollouts" (the target's own answers) or "stream" (the data's)
+    context: int = 64  # EAGLE: target features the head attends to before its drafts
+    n_heads: int = 4  # EAGLE: attention heads
 
     def __post_init__(self) -> None:
         if self.kind not in ("eagle", "repair"):
             raise ValueError(f"kind must be 'eagle' or 'repair', got {self.kind!r}")
         if self.objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
+        if self.data not in ("rollouts", "stream"):
+            raise ValueError(f"data must be 'rollouts' or 'stream', got {self.data!r}")
         for f in fields(self):
             value = getattr(self, f.name)
             if f.type == "int" and (not isinstance(value, int) or value < (0 if f.name == "seed" else 1)):
@@ -100,7 +110,8 @@ class _Models:
                                  f"{self.drafter.config.layout}")
             backbone = self.drafter
         self.backbone = backbone
-        self.head = new_head(HeadConfig(recipe.kind, backbone.config.dim, backbone.vocab_size, recipe.hidden))
+        self.head = new_head(HeadConfig(recipe.kind, backbone.config.dim, backbone.vocab_size, recipe.hidden,
+                                        n_heads=recipe.n_heads, context=recipe.context))
         if recipe.init:
             try:
                 check_head(recipe.init, recipe.kind, backbone)
@@ -155,12 +166,18 @@ def offline_loss(models: _Models, recipe: HeadRecipe, batch, prompt_lens, genera
     logits, features = models.call(models.target, batch.input_ids, attention_mask=batch.attention_mask)
     ids, scored = batch.input_ids, batch.targets != IGNORE
     if recipe.kind == "eagle":
-        n = recipe.unroll
-        rows, t = scored[:, 1:].nonzero(as_tuple=True)  # feature at t whose first step's target is scored
-        tokens = _window(ids, rows, t + 1, n)  # [N, n] the data's tokens t+1..t+n
-        head_logits = eagle_unroll(models.head, models.target, features[rows, t], tokens)  # [N, n, V]
-        return draft_loss(recipe.objective, head_logits, _window(logits, rows, t + 1, n),
-                          valid=_window(scored, rows, t + 1, n) & (t[:, None] + 1 + torch.arange(n) < ids.shape[1]))
+        depth, length = recipe.unroll, ids.shape[1]
+        tokens = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)  # token i + 1 at position i
+        real = batch.attention_mask.bool()
+        head_logits = eagle_train_logits(models.head, models.target, features, tokens, real, depth)
+        # [t, b, i] drafts token i + 2 (the target's logits at i + 1) from a context ending at c = i - t;
+        # ar_spec's contexts end at length - 2 >= prompt - 1, the first answer-scoring position.
+        i = torch.arange(length)
+        later = torch.cat([scored[:, 1:], scored[:, :1] & False], dim=1)  # token i + 2 is an answer token
+        first = prompt_lens - 1
+        valid = torch.stack([later & ((i - t)[None, :] >= first[:, None]) for t in range(depth)])
+        target = torch.cat([logits[:, 1:], logits[:, -1:]], dim=1).expand(depth, *logits.shape)
+        return draft_loss(recipe.objective, head_logits, target, valid=valid)
     k = recipe.num_draft_tokens
     rows, starts = _answer_starts(batch.targets, recipe.starts, k, generator)
     feats = _repair_features(models, ids, prompt_lens, rows, starts, k)
@@ -194,14 +211,16 @@ def _rollout(models: _Models, recipe: HeadRecipe, prefixes: list[list[int]], pro
     last = seq[rows, lengths - 1]
     drafts, steps = torch.zeros((len(rows), k), dtype=torch.long), []
     if recipe.kind == "eagle":
-        context = width - k - 1  # inputs up to the longest prefix's position length - 2
-        valid = (torch.arange(context)[None, :] < lengths[:, None] - 1).long()
-        _, features = models.call(models.target, seq[:, :context], attention_mask=valid)
-        feature, token = features[rows, lengths - 2], last
-        for j in range(k):
-            feature, step_logits = eagle_step(models.head, models.target, feature, token)
-            token = drafts[:, j] = _draw(step_logits.detach(), generator)
-            steps.append(step_logits)
+        upto = width - k - 1  # inputs up to the longest prefix's position length - 2
+        valid = (torch.arange(upto)[None, :] < lengths[:, None] - 1).long()
+        _, features = models.call(models.target, seq[:, :upto], attention_mask=valid)
+        c = models.head.config.context
+        at = lengths[:, None] - 1 - c + torch.arange(c)  # the context: positions length - 1 - c .. length - 2
+        real = at >= 0
+        step_logits, drafts = eagle_draft(models.head, models.target, features[rows[:, None], at.clamp(min=0)],
+                                          seq[rows[:, None], (at + 1).clamp(min=0)], real, k,
+                                          lambda step: _draw(step.detach(), generator))
+        steps = list(step_logits.unbind(1))
     else:
         feats = _repair_features(models, seq, prompt_lens, rows, lengths, k)
         embed = models.drafter.tok_embeddings
@@ -257,6 +276,31 @@ def on_policy_loss(models: _Models, recipe: HeadRecipe, batch, prompt_lens, gene
     return sum(losses) / len(losses)
 
 
+def _rollout_examples(models: _Models, recipe: HeadRecipe, examples: list[Example], seed: int) -> list[Example]:
+    """The examples with the target's own answers to their prompts (``eval_new_tokens`` at most, up to and
+    including its EOS): the first half of the rows greedy, the rest sampled at T=1. Batched ``ar`` with the
+    KV cache (``dllm.generate``); its forward tokens (prompt + answer per row) count in the budget."""
+    import dllm  # the front door, imported here so the training modules stay on the ground floor
+
+    eos = models.target.eos_token_id
+    out = []
+    half = (len(examples) + 1) // 2
+    for part, temperature in ((examples[:half], 0.0), (examples[half:], 1.0)):
+        if not part:
+            continue
+        width = max(len(e.prompt) for e in part)
+        ids = torch.tensor([[0] * (width - len(e.prompt)) + list(e.prompt) for e in part])
+        mask = torch.tensor([[0] * (width - len(e.prompt)) + [1] * len(e.prompt) for e in part])
+        result = dllm.generate(models.target, ids, sampler="ar", max_new_tokens=recipe.eval_new_tokens,
+                               temperature=temperature, attention_mask=mask, eos_token_id=eos,
+                               generator=torch.Generator().manual_seed(seed + int(temperature)))
+        for e, row in zip(part, result.sequences[:, width:].tolist()):
+            answer = row[: row.index(eos) + 1] if eos in row else row
+            models.tokens += len(e.prompt) + len(answer)
+            out.append(Example(e.prompt, tuple(answer), len(answer)))
+    return out
+
+
 def heldout_acceptance(models: _Models, recipe: HeadRecipe, temperature: float) -> dict[str, float]:
     """ar_spec with the head on the first ``eval_prompts`` held-out problems, batch 1 -> tokens per target call."""
     import dllm  # the front door, imported here so the training modules stay on the ground floor
@@ -288,6 +332,8 @@ def train_head(recipe: HeadRecipe, output: Path, log=print) -> dict:
     while models.tokens < recipe.budget_tokens:
         problems = step_problems(recipe.seed, step, recipe.batch_size, 0, 1, PRESETS["default"])
         examples = tokenize_problems(problems, tokenizer, "causal", None, 0)
+        if recipe.data == "rollouts" and recipe.objective != "opd":
+            examples = _rollout_examples(models, recipe, examples, derive_seed(recipe.seed, "rollouts", step))
         batch = build_batch("causal", examples, pad_id=tokenizer.pad_token_id, mask_id=None, block_size=None,
                             generator=torch.Generator())
         prompt_lens = torch.tensor([len(e.prompt) for e in examples])
@@ -302,7 +348,7 @@ def train_head(recipe: HeadRecipe, output: Path, log=print) -> dict:
         optimizer.step()
         step += 1
         if step % 20 == 0:
-            history.append({"step": step, "loss": float(loss), "tokens": models.tokens,
+            history.append({"step": step, "loss": float(loss.detach()), "tokens": models.tokens,
                             "wall_s": round(time.perf_counter() - tick, 1)})
             log(json.dumps(history[-1]))
     wall = time.perf_counter() - tick

@@ -248,7 +248,7 @@ def _block_start(backbone, examples, block: int) -> Windows:
     state = torch.full((len(expanded), max(cut)), mask_id, dtype=torch.long)
     data = state.clone()
     positions = torch.zeros((len(expanded), block), dtype=torch.long)
-    for r, (ex, b) in enumerate(expanded):
+    for r, (ex, _) in enumerate(expanded):
         tokens = torch.tensor((list(ex.prompt) + list(ex.region))[: cut[r]])
         data[r, : cut[r]] = tokens
         state[r, : cut[r] - block] = tokens[:-block]

@@ -100,7 +100,8 @@ def build_stream_batch(examples: list[Example], *, pad_id: int, block_size: int,
         p, order = len(e.prompt), reveal_order(len(e.region), block_size, generator, in_order_prob)
         ids = list(e.prompt) + [e.region[i] for i in order]
         pos = list(range(p)) + [p + i for i in order]
-        rows.append((ids, pos, [p + i for i in order], [p + k for k in range(len(order))], [e.region[i] for i in order]))
+        rows.append((ids, pos, [p + i for i in order], [p + k for k in range(len(order))],
+                     [e.region[i] for i in order]))
     width = max(len(r[0]) for r in rows)
     queries = max(len(r[2]) for r in rows)
 
@@ -256,7 +257,8 @@ def _export(model: TwoStreamLM, tokenizer_path: Path, out: Path, log: list) -> N
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="dllm train --recipe prefix-conditioned", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="dllm train --recipe prefix-conditioned",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="configs/prefix_conditioned.toml")
     parser.add_argument("--init", required=True, help="model folder to start from (e.g. dllm/weights/diffusion)")
     parser.add_argument("--native", choices=("llada", "dream"), help="read --init as a hub checkpoint of this family")

@@ -16,7 +16,8 @@ inputs and the verifier's target for them (on-policy: the drafts before slot j a
     python -m dllm.training.two_stream_head --prompts 512 --window 6 --steps 1500 --output runs/two_stream_head
 
 Each round's prompts are split evenly over the rollout orders (``--orders``: left to right, the default,
-and/or by confidence in the model's blocks) and T=0 / T=1; ``--rounds 3`` rolls again with the head trained so far and trains on everything rolled (states
+and/or by confidence in the model's blocks) and T=0 / T=1; ``--rounds 3`` rolls again with the head trained so
+far and trains on everything rolled (states
 closer to the trained head's own). Held out: problems 64-127 of the held-out set (``--heldout``), rolled the same ways
 with the stored query logits, per-slot acceptance of head vs those logits (argmax agreement at T=0, sum
 min(p, q) at T=1) and the expected accepted drafts per window. The head and ``train.json`` are saved after
@@ -190,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"two-stream-head: --orders must be a comma-separated subset of {list(ORDERS)}, got {args.orders!r}",
               file=sys.stderr)
         return 2
-    for name, low in (("prompts", 2 * len(orders)), ("window", 1), ("rounds", 1), ("steps", 1), ("batch_size", 1), ("dim", 1),
+    for name, low in (("prompts", 2 * len(orders)), ("window", 1), ("rounds", 1), ("steps", 1), ("batch_size", 1),
+                      ("dim", 1),
                       ("layers", 1), ("heldout", 1)):
         if getattr(args, name) < low:
             print(f"two-stream-head: --{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}",
@@ -222,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
                                 temperature=float(t), generator=gen, order=order) for order, t in kinds}
     stream = training_stream(derive_seed(0, "two-stream-head-data"))
     data: list[RoundWindows] = []
-    log, report = [], {}
+    report = {}
     for round_index in range(args.rounds):
         t0 = time.time()
         batch = list(islice(stream, args.prompts))
