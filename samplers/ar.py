@@ -18,7 +18,8 @@ logits at position i depend only on tokens <= i, so whatever follows a row's end
 - ``"head"``: an EAGLE head (``draft_head``, default the one shipped for ``dllm/weights/ar``) drafting
   from the target's own features, which the verification call returns (``return_hidden``); a
   DiffusionModel drafter with ``draft_head`` a repair head has its block rewritten left to right
-  (``samplers/head_drafters.py``).
+  (``samplers/head_drafters.py``). ``draft_confidence`` gives the EAGLE head EAGLE-2's dynamic draft
+  length: a round's drafts end at the first one the head gave a probability below it (still exact).
 Each is a ``Drafter`` object (``samplers/drafters.py``, which says how to add one), built once from the
 ``drafter`` option; the loop calls only its ``propose`` and ``rollback``. The shared verification
 (``samplers/verify.py``) makes the output distributed exactly as ``ar`` at the same temperature.
@@ -79,8 +80,8 @@ def ar(
 
 def ar_spec(
     model, prompt, gen_length, *, temperature, generator, stats: DecodeStats, drafter="ngram",
-    num_draft_tokens=4, max_ngram=3, draft_head=None, cache="auto", attention_mask=None, eos_token_id=None,
-    callback=None,
+    num_draft_tokens=4, max_ngram=3, draft_head=None, draft_confidence=None, cache="auto", attention_mask=None,
+    eos_token_id=None, callback=None,
 ) -> torch.Tensor:
     """Speculative decoding against the causal target ``model`` -> [B, P + N]."""
     batch, prompt_len = prompt.shape
@@ -92,7 +93,7 @@ def ar_spec(
     rows = torch.arange(batch, device=prompt.device)
     kv = _rollback_cache(model) if _use_cache(cache, model) else None  # holds [0, min(len) - 1) of every row
     proposer = _make_drafter(drafter, Caller(drafter, stats, attention_mask=full_mask, draft=True), cache, max_ngram,
-                             prompt_len, draft_head, model)
+                             prompt_len, draft_head, model, draft_confidence)
     features = None  # [B, P + N, D] the target's features at every position fed so far, for a drafter that wants them
     while rows.numel():
         length = lengths[rows]
@@ -180,14 +181,14 @@ def _full_mask(attention_mask, batch: int, length: int, device) -> torch.Tensor 
 
 
 def _make_drafter(drafter, caller: Caller, cache: str, max_ngram: int, prompt_len: int, draft_head=None,
-                  target=None) -> Drafter:
+                  target=None, confidence=None) -> Drafter:
     """The ``drafter`` option as a Drafter (samplers/drafters.py), chosen once so the loop never dispatches."""
     if isinstance(drafter, Drafter):
         return drafter
     if drafter == "head" or draft_head is not None:  # trained heads: samplers/head_drafters.py
         block = None if isinstance(drafter, str) else _block_size(drafter)
         kv = _rollback_cache(drafter) if block and _use_cache(cache, drafter) else None
-        return head_drafter(drafter, draft_head, target, caller, block, prompt_len, kv)
+        return head_drafter(drafter, draft_head, target, caller, block, prompt_len, kv, confidence)
     if isinstance(drafter, str):
         return NgramDrafter(max_ngram)
     if not is_diffusion_model(drafter):

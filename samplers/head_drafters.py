@@ -45,6 +45,10 @@ class EagleDrafter(Drafter):
 
     head: torch.nn.Module
     target: object  # the AR target: its embeddings, final norm and output projection, frozen
+    # EAGLE-2's dynamic draft length: a row's drafts end at the first one the head gave a probability
+    # (at temperature 1) below this; None: always k. The rule reads the drafter's own draws only, so
+    # verification stays exact (a draft count chosen by the drafter is a stopping time of its own sampling).
+    confidence: float | None = None
 
     wants_features = True
 
@@ -60,10 +64,21 @@ class EagleDrafter(Drafter):
         width = ctx.features.shape[1]  # positions length - 1 - width .. length - 2; the tokens after them
         after = (lengths[:, None] - width + torch.arange(width, device=sequences.device)).clamp(min=0)
         features = ctx.features.to(next(self.head.parameters()).dtype)
+        done = None if self.confidence is None else lambda steps, drafts: _unsure(steps, drafts, self.confidence).any(1)
         with torch.no_grad():
             logits, tokens = eagle_draft(self.head, self.target, features, sequences[rows[:, None], after],
-                                         ctx.feature_valid, k, lambda step: _sample(step[:, : ctx.vocab_size], ctx))
-        return Draft(tokens, logits[..., : ctx.vocab_size].float(), ctx.num_drafts)
+                                         ctx.feature_valid, k, lambda step: _sample(step[:, : ctx.vocab_size], ctx),
+                                         done)
+        logits, count = logits[..., : ctx.vocab_size].float(), ctx.num_drafts
+        if self.confidence is not None:
+            unsure = _unsure(logits, tokens, self.confidence)
+            first = torch.where(unsure.any(1), unsure.float().argmax(1), unsure.shape[1] - 1)  # the first unsure draft
+            count = torch.minimum(count, first + 1)
+        made = tokens.shape[1]
+        if made < k:  # every row stopped early: placeholders past ``count``
+            tokens = torch.cat([tokens, tokens.new_zeros((len(rows), k - made))], dim=1)
+            logits = torch.cat([logits, logits.new_zeros((len(rows), k - made, logits.shape[-1]))], dim=1)
+        return Draft(tokens, logits, count)
 
 
 @dataclass
@@ -93,13 +108,19 @@ class RepairDrafter(DiffusionDrafter):
         return Draft(tokens, logits, ctx.num_drafts)
 
 
-def head_drafter(drafter, draft_head, target, caller, block_size, prompt_len, kv) -> Drafter:
-    """The Drafter for ``drafter="head"`` (an EAGLE head on ``target``) or a diffusion ``drafter`` with a
-    repair ``draft_head``; ``draft_head`` a head module or folder (None: the shipped EAGLE head)."""
+def _unsure(logits: torch.Tensor, drafts: torch.Tensor, confidence: float) -> torch.Tensor:
+    """Drafts [R, j] whose temperature-1 probability under their logits [R, j, V] is below ``confidence``."""
+    return torch.softmax(logits.float(), -1).gather(-1, drafts[..., None]).squeeze(-1) < confidence
+
+
+def head_drafter(drafter, draft_head, target, caller, block_size, prompt_len, kv, confidence=None) -> Drafter:
+    """The Drafter for ``drafter="head"`` (an EAGLE head on ``target``; ``confidence``: its dynamic draft
+    length) or a diffusion ``drafter`` with a repair ``draft_head``; ``draft_head`` a head module or folder
+    (None: the shipped EAGLE head)."""
     if isinstance(drafter, str):
         head = draft_head if draft_head is not None else DEFAULT_EAGLE
         check_head(head, "eagle", target)
-        return EagleDrafter(load_head(head, dtype=_dtype(target)), target)
+        return EagleDrafter(load_head(head, dtype=_dtype(target)), target, confidence)
     check_head(draft_head, "repair", drafter)
     return RepairDrafter(caller, block_size, prompt_len, kv, head=load_head(draft_head, dtype=_dtype(drafter)))
 

@@ -284,6 +284,9 @@ def _check_draft_head(values: dict[str, Any], model) -> None:
 def _check_drafter(values: dict[str, Any], model) -> None:
     """ar_spec's drafter: a name, a model sharing the target's token ids, or a ready Drafter object."""
     drafter = values["drafter"]
+    if values.get("draft_confidence") is not None and not (isinstance(drafter, str) and drafter == "head"):
+        raise ValueError("draft_confidence is EAGLE-2's dynamic draft length for drafter='head'; got drafter="
+                         f"{drafter if isinstance(drafter, str) else type(drafter).__name__!r}")
     if isinstance(drafter, Drafter):
         return  # a ready proposer (samplers/drafters.py states its contract); ar_spec uses it as it is
     if drafter == "head" or values.get("draft_head") is not None:
@@ -378,6 +381,7 @@ class ArSpecConfig(ArConfig):
     num_draft_tokens: int = option(4, _int_at_least(1), "int")
     max_ngram: int = option(3, _int_at_least(1), "int")
     draft_head: Any = option(None, _no_check, "str")  # a head folder or module (samplers/head_drafters.py)
+    draft_confidence: float | None = option(None, _number(0.0, 1.0, optional=True), "float")  # drafter="head"
     CHECKS: ClassVar[tuple] = (_check_drafter,)
 
 

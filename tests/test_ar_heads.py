@@ -91,6 +91,29 @@ def test_eagle_head_exact(target, eagle, temperature):
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_eagle_dynamic_draft_length_exact(target, eagle, temperature):
+    """EAGLE-2's confidence stop (draft_confidence) chooses each round's draft count from the head's own
+    draws: the law is still the target's, and rounds do end early."""
+    answers, stats = sample(target, temperature, drafter="head", draft_head=eagle, draft_confidence=0.6)
+    assert chi_square_pvalue(answers, sequential_distribution(target, PROMPT, GEN, temperature=temperature)) > ALPHA
+    full = sample(target, temperature, drafter="head", draft_head=eagle)[1]
+    assert 0 < stats.accepted and stats.drafted < full.drafted
+
+
+def test_eagle_dynamic_draft_length_greedy_and_refusals(target, eagle):
+    prompts = torch.tensor([[0, 2, 1, 0, 2], [1, 1, 1, 1, 1]])
+    common = dict(max_new_tokens=9, temperature=0.0)
+    spec = dllm.generate(target, prompts, sampler="ar_spec", drafter="head", draft_head=eagle, num_draft_tokens=3,
+                         draft_confidence=0.9, **common)
+    assert torch.equal(spec.sequences, dllm.generate(target, prompts, sampler="ar", **common).sequences)
+    with pytest.raises(ValueError, match="draft_confidence"):
+        dllm.generate(target, prompts, sampler="ar_spec", drafter="ngram", draft_confidence=0.5, **common)
+    with pytest.raises(ValueError, match="draft_confidence"):
+        dllm.generate(target, prompts, sampler="ar_spec", drafter="head", draft_head=eagle, draft_confidence=1.5,
+                      **common)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_repair_head_exact(oracle, diffusion, repair, temperature):
     answers, stats = sample(oracle.as_causal(), temperature, drafter=diffusion, draft_head=repair)
     expected = sequential_distribution(oracle.as_causal(), PROMPT, GEN, temperature=temperature)

@@ -145,11 +145,13 @@ def backbone_parts(model) -> tuple[nn.Module, nn.Module, object]:
 
 
 def eagle_draft(head: EagleHead, backbone, features: Tensor, tokens: Tensor, valid: Tensor, k: int,
-                pick) -> tuple[Tensor, Tensor]:
+                pick, done=None) -> tuple[Tensor, Tensor]:
     """Draft k tokens after a context of C positions: the target's features [R, C, D] at positions
     n - 1 - C .. n - 2, the tokens after each (positions n - C .. n - 1) [R, C], which context positions
     hold real features [R, C] bool (the last one must), ``pick`` (logits [R, V] -> tokens [R]) ->
-    (logits [R, k, V] each draft was picked from, drafts [R, k]). Differentiable (no no_grad here)."""
+    (logits [R, k', V] each draft was picked from, drafts [R, k']). k' = k, or fewer when ``done``
+    (steps' logits [R, j, V] and drafts [R, j] -> [R] bool: the row needs no more drafts) holds for every
+    row after step j. Differentiable (no no_grad here)."""
     embed, norm, project = backbone_parts(backbone)
     rows, width = tokens.shape
     causal = torch.ones((width, width), dtype=torch.bool, device=tokens.device).tril()
@@ -162,7 +164,7 @@ def eagle_draft(head: EagleHead, backbone, features: Tensor, tokens: Tensor, val
     for j in range(k):
         logits.append(project(feature[:, 0]))
         drafts.append(pick(logits[-1]))
-        if j == k - 1:
+        if j == k - 1 or (done is not None and bool(done(torch.stack(logits, 1), torch.stack(drafts, 1)).all())):
             break
         step_mask = torch.cat([keep, keep.new_ones((rows, 1, 1, j + 1))], dim=-1)
         at = torch.full((rows, 1), width + j, device=tokens.device)
