@@ -64,14 +64,19 @@ class EagleDrafter(Drafter):
         width = ctx.features.shape[1]  # positions length - 1 - width .. length - 2; the tokens after them
         after = (lengths[:, None] - width + torch.arange(width, device=sequences.device)).clamp(min=0)
         features = ctx.features.to(next(self.head.parameters()).dtype)
-        done = None if self.confidence is None else lambda steps, drafts: _unsure(steps, drafts, self.confidence).any(1)
+        unsure = []  # per step [R]: the draft's probability is below ``confidence``
+
+        def done(step_logits, step_drafts):
+            unsure.append(_unsure(step_logits[:, : ctx.vocab_size], step_drafts, self.confidence))
+            return unsure[-1]
+
         with torch.no_grad():
             logits, tokens = eagle_draft(self.head, self.target, features, sequences[rows[:, None], after],
                                          ctx.feature_valid, k, lambda step: _sample(step[:, : ctx.vocab_size], ctx),
-                                         done)
+                                         None if self.confidence is None else done)
         logits, count = logits[..., : ctx.vocab_size].float(), ctx.num_drafts
-        if self.confidence is not None:
-            unsure = _unsure(logits, tokens, self.confidence)
+        if unsure:
+            unsure = torch.stack(unsure, dim=1)
             first = torch.where(unsure.any(1), unsure.float().argmax(1), unsure.shape[1] - 1)  # the first unsure draft
             count = torch.minimum(count, first + 1)
         made = tokens.shape[1]
@@ -109,7 +114,7 @@ class RepairDrafter(DiffusionDrafter):
 
 
 def _unsure(logits: torch.Tensor, drafts: torch.Tensor, confidence: float) -> torch.Tensor:
-    """Drafts [R, j] whose temperature-1 probability under their logits [R, j, V] is below ``confidence``."""
+    """Drafts [R] whose temperature-1 probability under their logits [R, V] is below ``confidence``."""
     return torch.softmax(logits.float(), -1).gather(-1, drafts[..., None]).squeeze(-1) < confidence
 
 

@@ -150,8 +150,8 @@ def eagle_draft(head: EagleHead, backbone, features: Tensor, tokens: Tensor, val
     n - 1 - C .. n - 2, the tokens after each (positions n - C .. n - 1) [R, C], which context positions
     hold real features [R, C] bool (the last one must), ``pick`` (logits [R, V] -> tokens [R]) ->
     (logits [R, k', V] each draft was picked from, drafts [R, k']). k' = k, or fewer when ``done``
-    (steps' logits [R, j, V] and drafts [R, j] -> [R] bool: the row needs no more drafts) holds for every
-    row after step j. Differentiable (no no_grad here)."""
+    (called once per step with its logits [R, V] and drafts [R] -> [R] bool: the row needs no more drafts)
+    has held for every row. Differentiable (no no_grad here)."""
     embed, norm, project = backbone_parts(backbone)
     rows, width = tokens.shape
     causal = torch.ones((width, width), dtype=torch.bool, device=tokens.device).tril()
@@ -161,10 +161,13 @@ def eagle_draft(head: EagleHead, backbone, features: Tensor, tokens: Tensor, val
     out, keys, values = head(features, embed(tokens), positions, mask, last=1)
     feature, logits, drafts = norm(out), [], []
     keep = valid[:, None, None, :]
+    finished = torch.zeros(rows, dtype=torch.bool, device=tokens.device)
     for j in range(k):
         logits.append(project(feature[:, 0]))
         drafts.append(pick(logits[-1]))
-        if j == k - 1 or (done is not None and bool(done(torch.stack(logits, 1), torch.stack(drafts, 1)).all())):
+        if done is not None:
+            finished |= done(logits[-1], drafts[-1])
+        if j == k - 1 or bool(finished.all()):
             break
         step_mask = torch.cat([keep, keep.new_ones((rows, 1, 1, j + 1))], dim=-1)
         at = torch.full((rows, 1), width + j, device=tokens.device)
@@ -189,9 +192,9 @@ def eagle_train_logits(head: EagleHead, backbone, features: Tensor, tokens: Tens
     window = head.config.context
     keys = values = None
     inputs, out_logits = features, []
+    offset = i[None, :] - i[:, None]  # [query i, key j] j - i
     for t in range(depth):
         # depth-0 keys j with i - t - window < j <= i - t (valid); depth-s keys (1 <= s <= t) at j = i - t + s
-        offset = i[None, :] - i[:, None]  # [query i, key j] j - i
         base = (offset <= -t) & (offset > -t - window) & valid[:, None, :]
         base = base | ((offset == 0) & (t == 0))  # padding attends to itself (never read)
         parts = [base] + [(offset == s - t).expand(batch, length, length) for s in range(1, t + 1)]

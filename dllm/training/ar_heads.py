@@ -51,6 +51,7 @@ from dllm.models.ar_heads import (
     save_head,
 )
 from dllm.models.transformer import TransformerLM
+from dllm.numerics import left_pad
 from dllm.training.batches import IGNORE, Example, build_batch, derive_seed, step_problems, tokenize_problems
 from dllm.training.draft_losses import OBJECTIVES, draft_loss
 
@@ -288,9 +289,8 @@ def _rollout_examples(models: _Models, recipe: HeadRecipe, examples: list[Exampl
     for part, temperature in ((examples[:half], 0.0), (examples[half:], 1.0)):
         if not part:
             continue
-        width = max(len(e.prompt) for e in part)
-        ids = torch.tensor([[0] * (width - len(e.prompt)) + list(e.prompt) for e in part])
-        mask = torch.tensor([[0] * (width - len(e.prompt)) + [1] * len(e.prompt) for e in part])
+        ids, mask = left_pad([e.prompt for e in part], 0, None)
+        width = ids.shape[1]
         result = dllm.generate(models.target, ids, sampler="ar", max_new_tokens=recipe.eval_new_tokens,
                                temperature=temperature, attention_mask=mask, eos_token_id=eos,
                                generator=torch.Generator().manual_seed(seed + int(temperature)))
