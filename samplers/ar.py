@@ -16,7 +16,8 @@ logits at position i depend only on tokens <= i, so whatever follows a row's end
 - ``"ngram"``: prompt lookup: the continuation of the latest earlier occurrence of the sequence's last
   n tokens (n = ``max_ngram`` .. 1), proposed as point masses;
 - ``"head"``: an EAGLE head (``draft_head``, default the one shipped for ``dllm/weights/ar``) drafting
-  from the target's own features, which the verification call returns (``return_hidden``); a
+  from the target's own features, which the verification call returns (``return_hidden``), k head
+  steps a round, or a DFlash head (a ``dflash`` head folder) drafting the k tokens in one head call; a
   DiffusionModel drafter with ``draft_head`` a repair head has its block rewritten left to right
   (``samplers/head_drafters.py``). ``draft_confidence`` gives the EAGLE head EAGLE-2's dynamic draft
   length: a round's drafts end at the first one the head gave a probability below it (still exact).

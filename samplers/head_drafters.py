@@ -1,9 +1,9 @@
 """Trained-head drafters for ``ar_spec`` (heads in ``dllm/models/ar_heads.py``), behind the ``Drafter`` interface.
 
-- ``EagleDrafter`` (``drafter="head"``): k steps of an EAGLE head on the target's features of the last
-  ``context`` positions (``DraftContext.features``), no model call. Its first round proposes nothing (the
-  target has not yet computed a feature), so that round is plain ``ar``'s first step, and its
-  verification call yields the features of every later round.
+- ``EagleDrafter`` (``drafter="head"``): k steps of an EAGLE head (or one call of a DFlash head) on the
+  target's features of the last ``context`` positions (``DraftContext.features``), no model call. Its
+  first round proposes nothing (the target has not yet computed a feature), so that round is plain
+  ``ar``'s first step, and its verification call yields the features of every later round.
 - ``RepairDrafter`` (a DiffusionModel drafter with ``draft_head=`` a repair head): the diffusion
   drafter's one call gives the block's marginals and features, then the repair head rewrites the block
   left to right, each draft sampled from the head's logits given the drafts before it.
@@ -21,11 +21,13 @@ import torch
 
 from dllm.models.ar_heads import (
     DEFAULT_EAGLE,
+    FEATURE_KINDS,
+    DFlashHead,
     EagleHead,
     RepairHead,
     backbone_parts,
     check_head,
-    eagle_draft,
+    feature_draft,
     load_head,
 )
 from dllm.numerics import bind_rows, sample_from_logits
@@ -41,7 +43,8 @@ def _sample(logits: torch.Tensor, ctx) -> torch.Tensor:
 
 @dataclass
 class EagleDrafter(Drafter):
-    """Drafts k tokens with an EAGLE head on the target's recent features (``DraftContext.features``)."""
+    """Drafts k tokens with an EAGLE head (k steps) or a DFlash head (one call) on the target's recent
+    features (``DraftContext.features``)."""
 
     head: torch.nn.Module
     target: object  # the AR target: its embeddings, final norm and output projection, frozen
@@ -71,7 +74,7 @@ class EagleDrafter(Drafter):
             return unsure[-1]
 
         with torch.no_grad():
-            logits, tokens = eagle_draft(self.head, self.target, features, sequences[rows[:, None], after],
+            logits, tokens = feature_draft(self.head, self.target, features, sequences[rows[:, None], after],
                                          ctx.feature_valid, k, lambda step: _sample(step[:, : ctx.vocab_size], ctx),
                                          None if self.confidence is None else done)
         logits, count = logits[..., : ctx.vocab_size].float(), ctx.num_drafts
@@ -119,12 +122,12 @@ def _unsure(logits: torch.Tensor, drafts: torch.Tensor, confidence: float) -> to
 
 
 def head_drafter(drafter, draft_head, target, caller, block_size, prompt_len, kv, confidence=None) -> Drafter:
-    """The Drafter for ``drafter="head"`` (an EAGLE head on ``target``; ``confidence``: its dynamic draft
+    """The Drafter for ``drafter="head"`` (an EAGLE or DFlash head on ``target``; ``confidence``: its dynamic draft
     length) or a diffusion ``drafter`` with a repair ``draft_head``; ``draft_head`` a head module or folder
     (None: the shipped EAGLE head)."""
     if isinstance(drafter, str):
         head = draft_head if draft_head is not None else DEFAULT_EAGLE
-        check_head(head, "eagle", target)
+        check_head(head, FEATURE_KINDS, target)
         return EagleDrafter(load_head(head, dtype=_dtype(target)), target, confidence)
     check_head(draft_head, "repair", drafter)
     return RepairDrafter(caller, block_size, prompt_len, kv, head=load_head(draft_head, dtype=_dtype(drafter)))
@@ -133,7 +136,7 @@ def head_drafter(drafter, draft_head, target, caller, block_size, prompt_len, kv
 def check_drafter_head(drafter, draft_head, target) -> None:
     """At the door: ``drafter="head"`` with an EAGLE head fitting ``target``, or a DiffusionModel drafter with
     a repair head fitting it; a ValueError/TypeError naming the parameter otherwise."""
-    if draft_head is not None and not isinstance(draft_head, str | Path | EagleHead | RepairHead):
+    if draft_head is not None and not isinstance(draft_head, str | Path | EagleHead | DFlashHead | RepairHead):
         raise TypeError(f"draft_head must be a head folder or a head module (dllm.models.ar_heads), "
                         f"got {type(draft_head).__name__}")
     if isinstance(drafter, str) and drafter == "head":
@@ -143,7 +146,7 @@ def check_drafter_head(drafter, draft_head, target) -> None:
         if not capabilities(target).hidden_states:
             raise TypeError(f"drafter='head' reads the target's features; {type(target).__name__} does not "
                             "declare Capabilities.hidden_states")
-        check_head(draft_head if draft_head is not None else DEFAULT_EAGLE, "eagle", target)
+        check_head(draft_head if draft_head is not None else DEFAULT_EAGLE, FEATURE_KINDS, target)
         return
     if not is_diffusion_model(drafter):
         shown = drafter if isinstance(drafter, str) else type(drafter).__name__

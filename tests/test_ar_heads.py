@@ -1,4 +1,4 @@
-"""ar_spec with trained-head drafters (EAGLE head, diffusion drafter + repair head) keeps ``ar``'s law exactly.
+"""ar_spec with trained-head drafters (EAGLE, DFlash, diffusion drafter + repair head) keeps ``ar``'s law exactly.
 
 Chi-square tests against the enumerated law of small models, as in test_exactness.py, with random heads
 (exactness must hold for any weights); a power test shows the same test rejects a head drafter that
@@ -10,9 +10,12 @@ import torch
 
 import dllm
 from dllm.models.ar_heads import (
+    DFlashHead,
     EagleHead,
     HeadConfig,
     RepairHead,
+    dflash_draft,
+    dflash_train_logits,
     eagle_draft,
     eagle_train_logits,
     load_head,
@@ -55,6 +58,15 @@ def eagle():
 
 
 @pytest.fixture(scope="module")
+def dflash():
+    torch.manual_seed(6)
+    head = DFlashHead(HeadConfig("dflash", 16, 3, 32, layers=2)).eval()
+    with torch.no_grad():
+        head.slot.normal_()  # slots far from the context's inputs: drafts that differ from the first one's law
+    return head
+
+
+@pytest.fixture(scope="module")
 def oracle():
     return HMMOracle.random(num_states=3, num_tokens=3, seed=0, stickiness=2.0, sharpness=2.0)
 
@@ -83,9 +95,10 @@ def sample(model, temperature, seed=5, **options):
     return out.sequences[:, PROMPT.numel():], out.stats
 
 
+@pytest.mark.parametrize("kind", ["eagle", "dflash"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_eagle_head_exact(target, eagle, temperature):
-    answers, stats = sample(target, temperature, drafter="head", draft_head=eagle)
+def test_feature_head_exact(target, kind, temperature, request):
+    answers, stats = sample(target, temperature, drafter="head", draft_head=request.getfixturevalue(kind))
     assert chi_square_pvalue(answers, sequential_distribution(target, PROMPT, GEN, temperature=temperature)) > ALPHA
     assert 0 < stats.accepted < stats.drafted
 
@@ -129,20 +142,24 @@ class _ArgmaxEagle(EagleDrafter):
         return Draft(draft.logits.argmax(-1), draft.logits, draft.count)
 
 
-def test_power_head_drafter_with_wrong_logits_fails(target, eagle):
+@pytest.mark.parametrize("kind", ["eagle", "dflash"])
+def test_power_head_drafter_with_wrong_logits_fails(target, kind, request):
     stats = DecodeStats()
+    head = request.getfixturevalue(kind)
     seq = ar_spec(target, PROMPT.expand(N_SAMPLES, -1), GEN, temperature=1.0,
-                  generator=torch.Generator().manual_seed(5), stats=stats, drafter=_ArgmaxEagle(eagle, target),
+                  generator=torch.Generator().manual_seed(5), stats=stats, drafter=_ArgmaxEagle(head, target),
                   num_draft_tokens=3)
     expected = sequential_distribution(target, PROMPT, GEN, temperature=1.0)
     assert chi_square_pvalue(seq[:, PROMPT.numel():], expected) < 1e-6
 
 
 @pytest.mark.parametrize("cache", ["auto", "none"])
-def test_head_drafters_greedy_equal_ar(target, eagle, oracle, diffusion, repair, cache):
+def test_head_drafters_greedy_equal_ar(target, eagle, dflash, oracle, diffusion, repair, cache):
     prompts = torch.tensor([[0, 2, 1, 0, 2], [1, 1, 1, 1, 1], [2, 0, 2, 0, 2]])
     common = dict(max_new_tokens=9, temperature=0.0)
     for model, options in ((target, dict(drafter="head", draft_head=eagle)),
+                           (target, dict(drafter="head", draft_head=dflash)),
+                           (target, dict(drafter="head", draft_head=dflash, draft_confidence=0.5)),
                            (oracle.as_causal(), dict(drafter=diffusion, draft_head=repair))):
         spec = dllm.generate(model, prompts, sampler="ar_spec", num_draft_tokens=3, cache=cache, **options, **common)
         plain = dllm.generate(model, prompts, sampler="ar", **common)
@@ -205,6 +222,31 @@ def test_eagle_training_unroll_is_the_drafting_loop(target):
                 torch.testing.assert_close(logits[:, t], train[t, :, c + t], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("layers,context", [(1, 3), (2, 12)])
+def test_dflash_training_pass_is_the_drafting_call(target, layers, context):
+    """dflash_train_logits[t, :, i] is slot t of what dflash_draft computes from the context ending at i - t
+    (one training pass trains exactly the calls that draft), with padding; one layer with a context shorter
+    than the run, two layers with contexts from the start (deeper, the earliest context positions see less
+    of the past when drafting than in training: ar_heads' module docstring)."""
+    torch.manual_seed(7)
+    head = DFlashHead(HeadConfig("dflash", 16, 3, 32, context=context, layers=layers)).eval()
+    ids = torch.randint(0, 3, (2, 12))
+    _, features = target(ids, return_hidden=True)
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    valid[1, :2] = False  # padding in row 1
+    tokens = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)
+    depth = 4
+    with torch.no_grad():
+        train = dflash_train_logits(head, target, features, tokens, valid, depth)
+        for c in (2, 4, 6):
+            ctx = slice(c - 2 if layers == 1 else 0, c + 1)
+            logits, _ = dflash_draft(head, target, features[:, ctx], tokens[:, ctx], valid[:, ctx], depth,
+                                     lambda step: step.argmax(-1))
+            for t in range(depth):
+                torch.testing.assert_close(logits[:, t], train[t, :, c + t], rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(train[1], train[2])  # slots differ by position
+
+
 def test_untrained_repair_head_drafts_the_marginals(oracle, diffusion):
     head = new_head(HeadConfig("repair", 16, 4, 32)).eval()  # out projection zero: no correction
     seq = torch.tensor([[0, 2, 1, 0, 0, 0, 0, 0, 0]])
@@ -218,14 +260,16 @@ def test_untrained_repair_head_drafts_the_marginals(oracle, diffusion):
     torch.testing.assert_close(drafts[0].logits[..., :3], drafts[1].logits)
 
 
-def test_head_round_trip(tmp_path, eagle):
-    save_head(eagle, tmp_path / "h")
+@pytest.mark.parametrize("kind", ["eagle", "dflash"])
+def test_head_round_trip(tmp_path, kind, request):
+    head = request.getfixturevalue(kind)
+    save_head(head, tmp_path / "h")
     loaded = load_head(tmp_path / "h")
-    assert loaded.config == eagle.config
+    assert loaded.config == head.config and type(loaded) is type(head)
     x, e = torch.randn(2, 5, 16), torch.randn(2, 5, 16)
     positions = torch.arange(5).expand(2, 5)
     mask = torch.ones((5, 5), dtype=torch.bool).tril().expand(2, 1, 5, 5)
-    torch.testing.assert_close(loaded(x, e, positions, mask), eagle(x, e, positions, mask))
+    torch.testing.assert_close(loaded(x, e, positions, mask), head(x, e, positions, mask))
 
 
 def test_bad_draft_heads_are_refused_with_the_parameter_named(target, eagle, oracle, diffusion, repair, tmp_path):
@@ -244,6 +288,10 @@ def test_bad_draft_heads_are_refused_with_the_parameter_named(target, eagle, ora
         run(target, drafter="head", draft_head=3)
     with pytest.raises(ValueError, match="draft head kind must be one of"):
         HeadConfig("medusa", 16, 3, 32)
+    with pytest.raises(ValueError, match="layers=2 is for a dflash head"):
+        HeadConfig("eagle", 16, 3, 32, layers=2)
+    with pytest.raises(ValueError, match="draft_head is a 'dflash' head"):
+        run(oracle.as_causal(), drafter=diffusion, draft_head=DFlashHead(HeadConfig("dflash", 16, 4, 32)))
 
 
 def test_head_drafters_accept_counting_wrappers(oracle, diffusion, repair):

@@ -48,7 +48,7 @@ def _batch(recipe):
     return batch, torch.tensor([len(e.prompt) for e in examples])
 
 
-@pytest.mark.parametrize("kind", ["eagle", "repair"])
+@pytest.mark.parametrize("kind", ["eagle", "dflash", "repair"])
 @pytest.mark.parametrize("objective", ["ce", "tv"])
 def test_offline_objectives_fit_a_fixed_batch(backbones, kind, objective):
     recipe = HeadRecipe(kind=kind, objective=objective, target=backbones["ar"], drafter=backbones["diffusion"],
@@ -68,7 +68,7 @@ def test_offline_objectives_fit_a_fixed_batch(backbones, kind, objective):
     assert all(p.grad is None or p.grad.abs().sum() == 0 for p in models.target.parameters())
 
 
-@pytest.mark.parametrize("kind", ["eagle", "repair"])
+@pytest.mark.parametrize("kind", ["eagle", "dflash", "repair"])
 def test_on_policy_loss_is_finite_and_reaches_the_head(backbones, kind):
     recipe = HeadRecipe(kind=kind, objective="opd", target=backbones["ar"], drafter=backbones["diffusion"],
                         hidden=32, starts=1, num_draft_tokens=4)
@@ -81,8 +81,9 @@ def test_on_policy_loss_is_finite_and_reaches_the_head(backbones, kind):
     assert models.tokens > 0  # the rollouts' target calls are counted in the compute budget
 
 
-def test_recipe_trains_a_head_that_ar_spec_loads(backbones, tmp_path):
-    recipe = HeadRecipe(kind="eagle", target=backbones["ar"], hidden=32, budget_tokens=500, eval_prompts=1,
+@pytest.mark.parametrize("kind", ["eagle", "dflash"])
+def test_recipe_trains_a_head_that_ar_spec_loads(backbones, tmp_path, kind):
+    recipe = HeadRecipe(kind=kind, target=backbones["ar"], hidden=32, budget_tokens=500, eval_prompts=1,
                         eval_new_tokens=6, num_draft_tokens=3)
     summary = train_head(recipe, tmp_path, log=lambda _: None)
     assert summary["forward_tokens"] >= 500 and summary["heldout"]["T0"]["new_tokens"] > 0
@@ -92,11 +93,12 @@ def test_recipe_trains_a_head_that_ar_spec_loads(backbones, tmp_path):
                          draft_head=str(tmp_path / "head"), num_draft_tokens=3)
     plain = dllm.generate(target, prompt, sampler="ar", max_new_tokens=6, temperature=0.0)
     assert torch.equal(spec.sequences, plain.sequences)
-    assert load_head(tmp_path / "head").config.kind == "eagle"
+    assert load_head(tmp_path / "head").config.kind == kind
 
 
 def test_recipes_are_registered_and_refuse_bad_keys(tmp_path, capsys):
     assert RECIPES["eagle-head"].startswith("dllm.training.ar_heads") and "repair-head" in RECIPES
+    assert RECIPES["dflash-head"] == "dllm.training.ar_heads:dflash_main"
     with pytest.raises(SystemExit):
         main(["--output", str(tmp_path), "--set", "objective='kl'"])
     assert "objective must be one of" in capsys.readouterr().err
@@ -135,3 +137,26 @@ def test_init_starts_from_a_saved_head_of_the_same_kind(backbones, tmp_path):
         assert torch.equal(a, b)
     with pytest.raises(ValueError, match="init=.*is a 'eagle' head"):
         _Models(replace(recipe, kind="repair", drafter=backbones["diffusion"], init=str(tmp_path / "h")))
+
+
+def test_a_dflash_head_warm_starts_from_an_eagle_head(backbones, tmp_path):
+    """init= an EAGLE head for the dflash recipe: slot 0 (the context's last pair) then drafts exactly what
+    the EAGLE head's first step drafts."""
+    from dllm.models.ar_heads import eagle_draft, feature_draft
+
+    recipe = HeadRecipe(kind="eagle", target=backbones["ar"], hidden=32, context=8)
+    eagle = _Models(recipe)
+    save_head(eagle.head, tmp_path / "e")
+    dflash = _Models(replace(recipe, kind="dflash", init=str(tmp_path / "e"))).head.eval()
+    assert dflash.config.kind == "dflash"
+    target = eagle.target
+    ids = torch.randint(4, 60, (2, 9))
+    _, features = target(ids[:, :8], return_hidden=True)
+    valid = torch.ones((2, 8), dtype=torch.bool)
+    with torch.no_grad():
+        first = eagle_draft(eagle.head.eval(), target, features, ids[:, 1:], valid, 1, lambda x: x.argmax(-1))[0]
+        block = feature_draft(dflash, target, features, ids[:, 1:], valid, 4, lambda x: x.argmax(-1))[0]
+    torch.testing.assert_close(block[:, 0], first[:, 0], rtol=1e-4, atol=1e-5)
+    save_head(dflash, tmp_path / "d")
+    with pytest.raises(ValueError, match="init=.*is a 'dflash' head"):  # no way back to an EAGLE head
+        _Models(replace(recipe, init=str(tmp_path / "d")))

@@ -9,6 +9,14 @@ Two kinds, one file format (``config.json`` with ``kind``, ``model.safetensors``
   draft k tokens with no backbone call, each step attending to the true features of the context and to
   the head's own earlier steps (``eagle_draft``; ``eagle_train_logits`` unrolls the same steps in
   parallel for training).
+- ``"dflash"`` (DFlash-style): the same (feature, next token) pairs, then k - 1 learned slot inputs
+  standing for the undrafted positions; ``layers`` pre-norm transformer layers draft all k tokens in ONE
+  pass (``dflash_draft``): draft j is read at the j-th input after the context, independent of the other
+  drafts given the context, so a round costs one head call however long the block. Causal attention
+  (slots see the context and the slots before them), trained with every depth from every answer
+  position in one pass (``dflash_train_logits``; with one layer it equals the drafting call exactly; with
+  more, the context's earliest positions see a shorter past when drafting than in training, where every
+  position sees ``context`` keys, unless the context reaches back to the sequence's start).
 - ``"repair"`` (Domino-style): the diffusion drafter proposes k marginals in one call; the head rewrites
   the block left to right: step j reads the drafter's feature at draft position j, the embedding of the
   repaired token j-1 and its own running state, and adds a correction to the drafter's feature before
@@ -32,7 +40,8 @@ from torch import Tensor, nn
 
 from .transformer import TransformerConfig, TransformerLM, _apply_rotary, _Block, _RMSNorm, _Rotary, _SwiGLU
 
-KINDS = ("eagle", "repair")
+KINDS = ("eagle", "dflash", "repair")
+FEATURE_KINDS = ("eagle", "dflash")  # heads on the AR target's own features (drafter="head")
 ROTARY_LEN = 4096  # positions the EAGLE head's rotary tables cover (training sequences, context + drafts)
 SHIPPED = Path(__file__).resolve().parent.parent / "weights"
 DEFAULT_EAGLE = SHIPPED / "ar_eagle"  # the EAGLE head trained for dllm/weights/ar
@@ -41,7 +50,8 @@ DEFAULT_EAGLE = SHIPPED / "ar_eagle"  # the EAGLE head trained for dllm/weights/
 @dataclass(frozen=True)
 class HeadConfig:
     """A head's shape: ``kind`` (KINDS), the backbone's feature width ``dim`` and vocabulary, MLP width;
-    an EAGLE head's attention heads and ``context`` (target features it attends to before its drafts)."""
+    an EAGLE or DFlash head's attention heads and ``context`` (target features it attends to before its
+    drafts); a DFlash head's ``layers`` (an EAGLE head has one)."""
 
     kind: str
     dim: int
@@ -50,16 +60,19 @@ class HeadConfig:
     norm_eps: float = 1e-5
     n_heads: int = 4
     context: int = 64
+    layers: int = 1
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"draft head kind must be one of {KINDS}, got {self.kind!r}")
-        for name in ("dim", "vocab_size", "hidden", "n_heads", "context"):
+        for name in ("dim", "vocab_size", "hidden", "n_heads", "context", "layers"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"draft head {name} must be a positive int, got {value!r}")
-        if self.kind == "eagle" and (self.dim % self.n_heads or (self.dim // self.n_heads) % 2):
-            raise ValueError(f"an eagle head's dim ({self.dim}) must split into n_heads ({self.n_heads}) heads of "
+        if self.kind != "dflash" and self.layers != 1:
+            raise ValueError(f"a {self.kind} head has one layer; layers={self.layers} is for a dflash head")
+        if self.kind in FEATURE_KINDS and (self.dim % self.n_heads or (self.dim // self.n_heads) % 2):
+            raise ValueError(f"a {self.kind} head's dim ({self.dim}) must split into n_heads ({self.n_heads}) heads of "
                              "even width (rotary positions)")
 
 
@@ -116,6 +129,37 @@ class EagleHead(nn.Module):
         _, k, v = attn.wqkv(self.block.attn_norm(x)).split([attn.n_heads * attn.head_dim, width, width], dim=-1)
         k = _apply_rotary(k.unflatten(-1, (attn.n_kv_heads, attn.head_dim)).transpose(1, 2), cos, sin)
         return k, v.unflatten(-1, (attn.n_kv_heads, attn.head_dim)).transpose(1, 2)
+
+
+class DFlashHead(nn.Module):
+    """h = layers(fuse(norm(f_i), norm(e(x_{i+1})))) over the context's pairs and then k - 1 learned slots
+    (``slot``: a stand-in feature and embedding); norm_target(h) at the context's last pair and at slot j
+    draft the block's tokens 0 and j."""
+
+    def __init__(self, config: HeadConfig):
+        super().__init__()
+        self.config = config
+        self.norms = nn.ModuleList(_RMSNorm(config.dim, config.norm_eps) for _ in range(2))
+        self.fuse = nn.Linear(2 * config.dim, config.dim, bias=False)
+        layer = TransformerConfig(vocab_size=config.vocab_size, dim=config.dim, n_layers=config.layers,
+                                  n_heads=config.n_heads, mlp_hidden=config.hidden, max_seq_len=ROTARY_LEN,
+                                  norm_eps=config.norm_eps)
+        self.blocks = nn.ModuleList(_Block(layer) for _ in range(config.layers))
+        self.rotary = _Rotary(layer.head_dim, ROTARY_LEN, layer.rope_theta)
+        self.slot = nn.Parameter(torch.randn(2, config.dim) * 0.02)  # normed before use: only its direction counts
+
+    def forward(self, features: Tensor, embeddings: Tensor, positions: Tensor, mask: Tensor) -> Tensor:
+        """features, embeddings [R, L, D] (slots included), positions [R, L], mask [R, 1, L, L] (True: attend)
+        -> outputs [R, L, D] before the target's final norm."""
+        x = self.fuse(torch.cat([self.norms[0](features), self.norms[1](embeddings)], dim=-1))
+        cos, sin = self.rotary(positions)
+        for block in self.blocks:
+            x, _, _ = block(x, cos, sin, mask, None)
+        return x
+
+    def slots(self, rows: int, count: int) -> tuple[Tensor, Tensor]:
+        """The slot inputs for ``count`` undrafted positions -> (features, embeddings), each [rows, count, D]."""
+        return self.slot[0].expand(rows, count, -1), self.slot[1].expand(rows, count, -1)
 
 
 class RepairHead(nn.Module):
@@ -210,6 +254,85 @@ def eagle_train_logits(head: EagleHead, backbone, features: Tensor, tokens: Tens
     return torch.stack(out_logits)
 
 
+def dflash_draft(head: DFlashHead, backbone, features: Tensor, tokens: Tensor, valid: Tensor, k: int,
+                 pick, done=None) -> tuple[Tensor, Tensor]:
+    """``eagle_draft``'s arguments and result for a DFlash head: one head call on the context's C pairs and
+    k - 1 slots gives all k drafts' logits; ``pick`` draws each draft (independently given the context),
+    ``done`` as there (it only shortens the block: every logit is already computed)."""
+    embed, norm, project = backbone_parts(backbone)
+    rows, width = tokens.shape
+    size = width + k - 1
+    slot_features, slot_embeddings = head.slots(rows, k - 1)
+    inputs = torch.cat([features, slot_features.to(features.dtype)], dim=1)
+    embedded = torch.cat([embed(tokens), slot_embeddings.to(features.dtype)], dim=1)
+    real = torch.cat([valid, valid.new_ones((rows, k - 1))], dim=1)
+    causal = torch.ones((size, size), dtype=torch.bool, device=tokens.device).tril()
+    mask = ((causal & real[:, None, :]) | torch.eye(size, dtype=torch.bool, device=tokens.device))[:, None]
+    positions = torch.arange(size, device=tokens.device).expand(rows, size)
+    out = project(norm(head(inputs, embedded, positions, mask)[:, width - 1 :]))  # [R, k, V]
+    logits, drafts = [], []
+    finished = torch.zeros(rows, dtype=torch.bool, device=tokens.device)
+    for j in range(k):
+        logits.append(out[:, j])
+        drafts.append(pick(logits[-1]))
+        if done is not None:
+            finished |= done(logits[-1], drafts[-1])
+            if bool(finished.all()):
+                break
+    return torch.stack(logits, dim=1), torch.stack(drafts, dim=1)
+
+
+def dflash_train_logits(head: DFlashHead, backbone, features: Tensor, tokens: Tensor, valid: Tensor,
+                        depth: int) -> Tensor:
+    """``eagle_train_logits`` for a DFlash head, in one pass: logits [depth, B, L, V] where [t, b, i] drafts
+    token i + 2 as slot t of the block whose context ends at i - t (slot 0: the context's last pair),
+    exactly what ``dflash_draft`` computes from that context. The pass holds the real pairs, then depth - 1
+    copies of the slots at the same positions; slot t at i attends to the context window ending at i - t
+    and to the slots 1..t of the same block (at i - t + s)."""
+    embed, norm, project = backbone_parts(backbone)
+    batch, length = tokens.shape
+    i = torch.arange(length, device=tokens.device)
+    offset = i[None, :] - i[:, None]  # [query i, key j] j - i
+    window = head.config.context
+    rows = []
+    for t in range(depth):
+        base = (offset <= -t) & (offset > -t - window) & valid[:, None, :]
+        base = base | ((offset == 0) & (t == 0))  # padding attends to itself (never read)
+        parts = [base] + [(offset == s - t).expand(batch, length, length) & (s <= t) for s in range(1, depth)]
+        rows.append(torch.cat(parts, dim=-1))
+    mask = torch.cat(rows, dim=1)[:, None]  # [B, 1, depth L, depth L]
+    slot_features, slot_embeddings = head.slots(batch, (depth - 1) * length)
+    inputs = torch.cat([features, slot_features], dim=1)
+    embedded = torch.cat([embed(tokens), slot_embeddings], dim=1)
+    positions = i.repeat(depth).expand(batch, depth * length)
+    out = head(inputs, embedded, positions, mask)
+    return project(norm(out)).unflatten(1, (depth, length)).transpose(0, 1)
+
+
+def dflash_from_eagle(eagle: EagleHead, layers: int = 1) -> DFlashHead:
+    """A DFlash head warm-started from an EAGLE head: its input fusion and layer become the first layer
+    (slot 0, the context's last pair, then drafts exactly as the EAGLE head's first step); the slots and any
+    further layers start fresh."""
+    head = DFlashHead(HeadConfig(**{**asdict(eagle.config), "kind": "dflash", "layers": layers}))
+    state = {name.replace("block.", "blocks.0.", 1) if name.startswith("block.") else name: value
+             for name, value in eagle.state_dict().items()}
+    missing, unexpected = head.load_state_dict(state, strict=False)
+    assert not unexpected and all(name == "slot" or name.startswith("blocks.") for name in missing)
+    return head
+
+
+def feature_draft(head, backbone, features, tokens, valid, k, pick, done=None) -> tuple[Tensor, Tensor]:
+    """k drafts from the target's features with an EAGLE or a DFlash head (``eagle_draft``'s contract)."""
+    draft = dflash_draft if isinstance(head, DFlashHead) else eagle_draft
+    return draft(head, backbone, features, tokens, valid, k, pick, done)
+
+
+def feature_train_logits(head, backbone, features, tokens, valid, depth) -> Tensor:
+    """Training logits of an EAGLE or a DFlash head (``eagle_train_logits``'s contract)."""
+    train = dflash_train_logits if isinstance(head, DFlashHead) else eagle_train_logits
+    return train(head, backbone, features, tokens, valid, depth)
+
+
 def repair_unroll(head: RepairHead, backbone, features: Tensor, previous: Tensor) -> Tensor:
     """Repair a block: drafter features [..., K, D], tokens before each draft [..., K] (the confirmed one,
     then repaired tokens) -> logits [..., K, V] through the drafter's output projection."""
@@ -222,12 +345,15 @@ def repair_unroll(head: RepairHead, backbone, features: Tensor, previous: Tensor
     return torch.stack(out, dim=-2)
 
 
-def new_head(config: HeadConfig) -> EagleHead | RepairHead:
+HEADS = {"eagle": EagleHead, "dflash": DFlashHead, "repair": RepairHead}
+
+
+def new_head(config: HeadConfig) -> EagleHead | DFlashHead | RepairHead:
     """A freshly initialised head of ``config.kind``."""
-    return (EagleHead if config.kind == "eagle" else RepairHead)(config)
+    return HEADS[config.kind](config)
 
 
-def save_head(head: EagleHead | RepairHead, folder: str | Path, card: str | None = None) -> None:
+def save_head(head: EagleHead | DFlashHead | RepairHead, folder: str | Path, card: str | None = None) -> None:
     """Write ``config.json`` and ``model.safetensors`` (and ``README.md`` when ``card``) to ``folder``."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -240,7 +366,7 @@ def save_head(head: EagleHead | RepairHead, folder: str | Path, card: str | None
 
 def head_config(head) -> HeadConfig:
     """The config of a head module or of a head folder (without loading its weights)."""
-    if isinstance(head, EagleHead | RepairHead):
+    if isinstance(head, EagleHead | DFlashHead | RepairHead):
         return head.config
     path = Path(head) / "config.json"
     if not path.is_file():
@@ -248,21 +374,24 @@ def head_config(head) -> HeadConfig:
     return HeadConfig(**json.loads(path.read_text()))
 
 
-def load_head(head, device=None, dtype=None) -> EagleHead | RepairHead:
+def load_head(head, device=None, dtype=None) -> EagleHead | DFlashHead | RepairHead:
     """A head module as it is, or the head saved in folder ``head``, in eval mode."""
-    if isinstance(head, EagleHead | RepairHead):
+    if isinstance(head, EagleHead | DFlashHead | RepairHead):
         return head
     module = new_head(head_config(head))
     module.load_state_dict(load_file(str(Path(head) / "model.safetensors")))
     return module.to(device=device, dtype=dtype).eval()
 
 
-def check_head(head, kind: str, backbone) -> HeadConfig:
-    """A head of ``kind`` whose width and vocabulary fit ``backbone``, or a ValueError naming draft_head."""
+def check_head(head, kind: str | tuple[str, ...], backbone) -> HeadConfig:
+    """A head of ``kind`` (or one of the kinds) whose width and vocabulary fit ``backbone``, or a ValueError
+    naming draft_head."""
     config = head_config(head)
-    if config.kind != kind:
-        raise ValueError(f"draft_head is a {config.kind!r} head; this drafter needs a {kind!r} head "
-                         f"(drafter='head' takes an 'eagle' head, a diffusion drafter a 'repair' head)")
+    kinds = (kind,) if isinstance(kind, str) else kind
+    if config.kind not in kinds:
+        wanted = " or ".join(repr(k) for k in kinds)
+        raise ValueError(f"draft_head is a {config.kind!r} head; this drafter needs a {wanted} head "
+                         f"(drafter='head' takes an 'eagle' or 'dflash' head, a diffusion drafter a 'repair' head)")
     backbone_parts(backbone)
     dim, vocab = backbone.config.dim, backbone.vocab_size
     if (config.dim, config.vocab_size) != (dim, vocab):

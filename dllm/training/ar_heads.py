@@ -1,6 +1,7 @@
-"""Recipes ``eagle-head`` and ``repair-head``: train an ar_spec draft head against the frozen AR target.
+"""Recipes ``eagle-head``, ``dflash-head``, ``repair-head``: train an ar_spec draft head against the frozen AR target.
 
     python -m dllm.train --recipe eagle-head --config configs/eagle_head.toml --output runs/eagle-ce
+    python -m dllm.train --recipe dflash-head --config configs/dflash_head.toml --output runs/dflash
     python -m dllm.train --recipe repair-head --config configs/repair_head.toml --set objective=tv
 
 The targets are free: the AR target's next-token distributions (no_grad) on the synthetic training stream
@@ -9,7 +10,9 @@ The targets are free: the AR target's next-token distributions (no_grad) on the 
 - ``ce`` / ``tv`` (offline): teacher forcing on the sequences. The EAGLE head drafts ``unroll`` steps
   from every answer position at once (``eagle_train_logits``: EAGLE-3's training-time test, each step
   fed the sequence's token and the head's own previous output in place of the target's feature, so
-  training sees the drift it meets when drafting); the repair head rewrites a block of
+  training sees the drift it meets when drafting); a DFlash head drafts the same ``unroll`` depths from
+  every position in one pass (``dflash_train_logits``: depth t is slot t of the block whose context ends
+  t positions earlier); the repair head rewrites a block of
   ``num_draft_tokens`` drafts from the diffusion drafter's features at ``starts`` random answer positions.
   With ``data = "rollouts"`` (the default) the answers are the target's own continuations of each
   step's prompts (half greedy, half sampled at T=1; their forward tokens count in the budget): the
@@ -41,10 +44,13 @@ import torch
 from dllm.data.synthetic import PRESETS, format_example, heldout_set
 from dllm.data.tokenizer import load_tokenizer
 from dllm.models.ar_heads import (
+    FEATURE_KINDS,
+    KINDS,
     HeadConfig,
     check_head,
-    eagle_draft,
-    eagle_train_logits,
+    dflash_from_eagle,
+    feature_draft,
+    feature_train_logits,
     load_head,
     new_head,
     repair_unroll,
@@ -62,7 +68,7 @@ WEIGHTS = Path(__file__).resolve().parent.parent / "weights"
 class HeadRecipe:
     """One head-training run (a TOML file's top-level keys)."""
 
-    kind: str = "eagle"  # eagle | repair
+    kind: str = "eagle"  # eagle | dflash | repair
     objective: str = "ce"  # OBJECTIVES
     target: str = str(WEIGHTS / "ar")
     drafter: str = str(WEIGHTS / "diffusion")  # the repair head's diffusion drafter
@@ -77,14 +83,17 @@ class HeadRecipe:
     seed: int = 0
     eval_prompts: int = 16
     eval_new_tokens: int = 64
-    init: str = ""  # a head folder to start from (Draft-OPD starts from an offline-trained head)
+    init: str = ""  # a head folder to start from (Draft-OPD starts from an offline-trained head); dflash: or eagle
     data: str = "rollouts"  # offline sequences: "rollouts" (the target's own answers) or "stream" (the data's)
     context: int = 64  # EAGLE: target features the head attends to before its drafts
-    n_heads: int = 4  # EAGLE: attention heads
+    n_heads: int = 4  # EAGLE, DFlash: attention heads
+    layers: int = 1  # DFlash: transformer layers
 
     def __post_init__(self) -> None:
-        if self.kind not in ("eagle", "repair"):
-            raise ValueError(f"kind must be 'eagle' or 'repair', got {self.kind!r}")
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        if self.kind != "dflash" and self.layers != 1:
+            raise ValueError(f"layers must be 1 for a {self.kind} head (layers is a dflash head's), got {self.layers}")
         if self.objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
         if self.data not in ("rollouts", "stream"):
@@ -112,13 +121,18 @@ class _Models:
             backbone = self.drafter
         self.backbone = backbone
         self.head = new_head(HeadConfig(recipe.kind, backbone.config.dim, backbone.vocab_size, recipe.hidden,
-                                        n_heads=recipe.n_heads, context=recipe.context))
+                                        n_heads=recipe.n_heads, context=recipe.context, layers=recipe.layers))
         if recipe.init:
+            # A DFlash head may start from an EAGLE head (its layer becomes the first: dflash_from_eagle).
+            kinds = ("dflash", "eagle") if recipe.kind == "dflash" else recipe.kind
             try:
-                check_head(recipe.init, recipe.kind, backbone)
+                config = check_head(recipe.init, kinds, backbone)
             except ValueError as error:
                 raise ValueError(f"init={recipe.init!r}: {error}") from None
-            self.head = load_head(recipe.init).train()
+            self.head = load_head(recipe.init)
+            if config.kind != recipe.kind:
+                self.head = dflash_from_eagle(self.head, recipe.layers)
+            self.head.train()
         self.tokens = 0
 
     def call(self, model, input_ids, **kwargs):
@@ -166,11 +180,11 @@ def offline_loss(models: _Models, recipe: HeadRecipe, batch, prompt_lens, genera
     """``ce`` / ``tv``: teacher-forced loss on the data (module docstring)."""
     logits, features = models.call(models.target, batch.input_ids, attention_mask=batch.attention_mask)
     ids, scored = batch.input_ids, batch.targets != IGNORE
-    if recipe.kind == "eagle":
+    if recipe.kind in FEATURE_KINDS:
         depth, length = recipe.unroll, ids.shape[1]
         tokens = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)  # token i + 1 at position i
         real = batch.attention_mask.bool()
-        head_logits = eagle_train_logits(models.head, models.target, features, tokens, real, depth)
+        head_logits = feature_train_logits(models.head, models.target, features, tokens, real, depth)
         # [t, b, i] drafts token i + 2 (the target's logits at i + 1) from a context ending at c = i - t;
         # ar_spec's contexts end at length - 2 >= prompt - 1, the first answer-scoring position.
         i = torch.arange(length)
@@ -211,14 +225,14 @@ def _rollout(models: _Models, recipe: HeadRecipe, prefixes: list[list[int]], pro
     rows = torch.arange(len(prefixes))
     last = seq[rows, lengths - 1]
     drafts, steps = torch.zeros((len(rows), k), dtype=torch.long), []
-    if recipe.kind == "eagle":
+    if recipe.kind in FEATURE_KINDS:
         upto = width - k - 1  # inputs up to the longest prefix's position length - 2
         valid = (torch.arange(upto)[None, :] < lengths[:, None] - 1).long()
         _, features = models.call(models.target, seq[:, :upto], attention_mask=valid)
         c = models.head.config.context
         at = lengths[:, None] - 1 - c + torch.arange(c)  # the context: positions length - 1 - c .. length - 2
         real = at >= 0
-        step_logits, drafts = eagle_draft(models.head, models.target, features[rows[:, None], at.clamp(min=0)],
+        step_logits, drafts = feature_draft(models.head, models.target, features[rows[:, None], at.clamp(min=0)],
                                           seq[rows[:, None], (at + 1).clamp(min=0)], real, k,
                                           lambda step: _draw(step.detach(), generator))
         steps = list(step_logits.unbind(1))
@@ -306,7 +320,7 @@ def heldout_acceptance(models: _Models, recipe: HeadRecipe, temperature: float) 
     import dllm  # the front door, imported here so the training modules stay on the ground floor
 
     tokenizer = load_tokenizer(Path(recipe.target) / "tokenizer.json")
-    options = ({"drafter": "head"} if recipe.kind == "eagle" else {"drafter": models.drafter})
+    options = ({"drafter": "head"} if recipe.kind in FEATURE_KINDS else {"drafter": models.drafter})
     totals = {"new_tokens": 0, "nfe": 0, "rounds": 0}
     for i, problem in enumerate(heldout_set()[: recipe.eval_prompts]):
         prompt = torch.tensor([tokenizer(format_example(problem["question"]), add_special_tokens=False)["input_ids"]])
@@ -363,13 +377,13 @@ def train_head(recipe: HeadRecipe, output: Path, log=print) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="dllm train --recipe eagle-head|repair-head",
+    parser = argparse.ArgumentParser(prog="dllm train --recipe eagle-head|dflash-head|repair-head",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", help="TOML file of HeadRecipe keys")
     parser.add_argument("--output", required=True, help="run folder: head/, metrics.json")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a key (TOML syntax), e.g. --set objective='tv'")
-    parser.add_argument("--kind", choices=("eagle", "repair"), help="set by the recipe name")
+    parser.add_argument("--kind", choices=KINDS, help="set by the recipe name")
     parser.add_argument("--eval-untrained", action="store_true",
                         help="only measure a fresh head's held-out acceptance (a repair head: the plain marginals)")
     args = parser.parse_args(argv)
@@ -404,6 +418,11 @@ def main(argv: list[str]) -> int:
 def eagle_main(argv: list[str]) -> int:
     """``--recipe eagle-head``."""
     return main([*argv, "--kind", "eagle"])
+
+
+def dflash_main(argv: list[str]) -> int:
+    """``--recipe dflash-head``."""
+    return main([*argv, "--kind", "dflash"])
 
 
 def repair_main(argv: list[str]) -> int:

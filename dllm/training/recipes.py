@@ -17,6 +17,7 @@ RECIPES: dict[str, str] = {
     "fef-head-chain": "dllm.training.fef_chain",  # the same head on the backbone's own chains (shipped head)
     "two-stream-head": "dllm.training.two_stream_head",  # a fef head on a two-stream model, from fef's rounds
     "eagle-head": "dllm.training.ar_heads:eagle_main",
+    "dflash-head": "dllm.training.ar_heads:dflash_main",
     "repair-head": "dllm.training.ar_heads:repair_main",
 }
 
