@@ -133,7 +133,7 @@ def head_drafter(drafter, draft_head, target, caller, block_size, prompt_len, kv
     return RepairDrafter(caller, block_size, prompt_len, kv, head=load_head(draft_head, dtype=_dtype(drafter)))
 
 
-def check_drafter_head(drafter, draft_head, target) -> None:
+def check_drafter_head(drafter, draft_head, target, num_draft_tokens: int | None = None) -> None:
     """At the door: ``drafter="head"`` with an EAGLE head fitting ``target``, or a DiffusionModel drafter with
     a repair head fitting it; a ValueError/TypeError naming the parameter otherwise."""
     if draft_head is not None and not isinstance(draft_head, str | Path | EagleHead | DFlashHead | RepairHead):
@@ -146,7 +146,10 @@ def check_drafter_head(drafter, draft_head, target) -> None:
         if not capabilities(target).hidden_states:
             raise TypeError(f"drafter='head' reads the target's features; {type(target).__name__} does not "
                             "declare Capabilities.hidden_states")
-        check_head(draft_head if draft_head is not None else DEFAULT_EAGLE, FEATURE_KINDS, target)
+        config = check_head(draft_head if draft_head is not None else DEFAULT_EAGLE, FEATURE_KINDS, target)
+        if config.kind == "dflash" and num_draft_tokens is not None and num_draft_tokens > config.max_drafts:
+            raise ValueError(f"num_draft_tokens ({num_draft_tokens}) exceeds the dflash draft_head's max_drafts "
+                             f"({config.max_drafts})")
         return
     if not is_diffusion_model(drafter):
         shown = drafter if isinstance(drafter, str) else type(drafter).__name__

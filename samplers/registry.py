@@ -290,7 +290,7 @@ def _check_drafter(values: dict[str, Any], model) -> None:
     if isinstance(drafter, Drafter):
         return  # a ready proposer (samplers/drafters.py states its contract); ar_spec uses it as it is
     if drafter == "head" or values.get("draft_head") is not None:
-        check_drafter_head(drafter, values.get("draft_head"), model)
+        check_drafter_head(drafter, values.get("draft_head"), model, values.get("num_draft_tokens"))
         return
     if isinstance(drafter, str):
         if drafter != "ngram":

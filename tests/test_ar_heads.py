@@ -290,6 +290,9 @@ def test_bad_draft_heads_are_refused_with_the_parameter_named(target, eagle, ora
         HeadConfig("medusa", 16, 3, 32)
     with pytest.raises(ValueError, match="layers=2 is for a dflash head"):
         HeadConfig("eagle", 16, 3, 32, layers=2)
+    with pytest.raises(ValueError, match="num_draft_tokens .9. exceeds the dflash draft_head's max_drafts .8."):
+        run(target, drafter="head", draft_head=DFlashHead(HeadConfig("dflash", 16, 3, 32, max_drafts=8)),
+            num_draft_tokens=9)
     with pytest.raises(ValueError, match="draft_head is a 'dflash' head"):
         run(oracle.as_causal(), drafter=diffusion, draft_head=DFlashHead(HeadConfig("dflash", 16, 4, 32)))
 

@@ -10,7 +10,7 @@ Two kinds, one file format (``config.json`` with ``kind``, ``model.safetensors``
   the head's own earlier steps (``eagle_draft``; ``eagle_train_logits`` unrolls the same steps in
   parallel for training).
 - ``"dflash"`` (DFlash-style): the same (feature, next token) pairs, then k - 1 learned slot inputs
-  standing for the undrafted positions; ``layers`` pre-norm transformer layers draft all k tokens in ONE
+  standing for the undrafted positions (one per depth, so each knows which draft it is); ``layers`` pre-norm transformer layers draft all k tokens in ONE
   pass (``dflash_draft``): draft j is read at the j-th input after the context, independent of the other
   drafts given the context, so a round costs one head call however long the block. Causal attention
   (slots see the context and the slots before them), trained with every depth from every answer
@@ -61,11 +61,12 @@ class HeadConfig:
     n_heads: int = 4
     context: int = 64
     layers: int = 1
+    max_drafts: int = 16  # a DFlash head's slots: k <= max_drafts drafts a round
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"draft head kind must be one of {KINDS}, got {self.kind!r}")
-        for name in ("dim", "vocab_size", "hidden", "n_heads", "context", "layers"):
+        for name in ("dim", "vocab_size", "hidden", "n_heads", "context", "layers", "max_drafts"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"draft head {name} must be a positive int, got {value!r}")
@@ -133,8 +134,8 @@ class EagleHead(nn.Module):
 
 class DFlashHead(nn.Module):
     """h = layers(fuse(norm(f_i), norm(e(x_{i+1})))) over the context's pairs and then k - 1 learned slots
-    (``slot``: a stand-in feature and embedding); norm_target(h) at the context's last pair and at slot j
-    draft the block's tokens 0 and j."""
+    (``slot`` [max_drafts - 1, 2, D]: per depth a stand-in feature and embedding); norm_target(h) at the
+    context's last pair and at slot j draft the block's tokens 0 and j."""
 
     def __init__(self, config: HeadConfig):
         super().__init__()
@@ -146,7 +147,8 @@ class DFlashHead(nn.Module):
                                   norm_eps=config.norm_eps)
         self.blocks = nn.ModuleList(_Block(layer) for _ in range(config.layers))
         self.rotary = _Rotary(layer.head_dim, ROTARY_LEN, layer.rope_theta)
-        self.slot = nn.Parameter(torch.randn(2, config.dim) * 0.02)  # normed before use: only its direction counts
+        # normed before use: only their directions count
+        self.slot = nn.Parameter(torch.randn(config.max_drafts - 1, 2, config.dim) * 0.02)
 
     def forward(self, features: Tensor, embeddings: Tensor, positions: Tensor, mask: Tensor) -> Tensor:
         """features, embeddings [R, L, D] (slots included), positions [R, L], mask [R, 1, L, L] (True: attend)
@@ -157,9 +159,14 @@ class DFlashHead(nn.Module):
             x, _, _ = block(x, cos, sin, mask, None)
         return x
 
-    def slots(self, rows: int, count: int) -> tuple[Tensor, Tensor]:
-        """The slot inputs for ``count`` undrafted positions -> (features, embeddings), each [rows, count, D]."""
-        return self.slot[0].expand(rows, count, -1), self.slot[1].expand(rows, count, -1)
+    def slots(self, rows: int, count: int, repeat: int = 1) -> tuple[Tensor, Tensor]:
+        """The inputs of slots 1..count (each ``repeat`` times in a row) -> (features, embeddings), each
+        [rows, count * repeat, D]."""
+        if count > self.slot.shape[0]:
+            raise ValueError(f"num_draft_tokens ({count + 1}) exceeds this dflash head's max_drafts "
+                             f"({self.config.max_drafts})")
+        slot = self.slot[:count].repeat_interleave(repeat, dim=0)
+        return slot[:, 0].expand(rows, -1, -1), slot[:, 1].expand(rows, -1, -1)
 
 
 class RepairHead(nn.Module):
@@ -301,7 +308,7 @@ def dflash_train_logits(head: DFlashHead, backbone, features: Tensor, tokens: Te
         parts = [base] + [(offset == s - t).expand(batch, length, length) & (s <= t) for s in range(1, depth)]
         rows.append(torch.cat(parts, dim=-1))
     mask = torch.cat(rows, dim=1)[:, None]  # [B, 1, depth L, depth L]
-    slot_features, slot_embeddings = head.slots(batch, (depth - 1) * length)
+    slot_features, slot_embeddings = head.slots(batch, depth - 1, repeat=length)
     inputs = torch.cat([features, slot_features], dim=1)
     embedded = torch.cat([embed(tokens), slot_embeddings], dim=1)
     positions = i.repeat(depth).expand(batch, depth * length)
