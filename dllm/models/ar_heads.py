@@ -10,9 +10,10 @@ Two kinds, one file format (``config.json`` with ``kind``, ``model.safetensors``
   the head's own earlier steps (``eagle_draft``; ``eagle_train_logits`` unrolls the same steps in
   parallel for training).
 - ``"dflash"`` (DFlash-style): the same (feature, next token) pairs, then k - 1 learned slot inputs
-  standing for the undrafted positions (one per depth, so each knows which draft it is); ``layers`` pre-norm transformer layers draft all k tokens in ONE
-  pass (``dflash_draft``): draft j is read at the j-th input after the context, independent of the other
-  drafts given the context, so a round costs one head call however long the block. Causal attention
+  standing for the undrafted positions (one per depth, so each knows which draft it is); ``layers``
+  pre-norm transformer layers draft all k tokens in ONE pass (``dflash_draft``): draft j is read at the
+  j-th input after the context, independent of the other drafts given the context, so a round costs one
+  head call however long the block. Causal attention
   (slots see the context and the slots before them), trained with every depth from every answer
   position in one pass (``dflash_train_logits``; with one layer it equals the drafting call exactly; with
   more, the context's earliest positions see a shorter past when drafting than in training, where every
