@@ -118,19 +118,21 @@ class EagleHead(nn.Module):
         if last is None or last >= x.shape[1]:
             return self.block(x, cos, sin, mask, past)
         split = x.shape[1] - last
-        k, v = self._keys_values(x[:, :split], cos[:, :split], sin[:, :split])
+        k, v = _keys_values(self.block, x[:, :split], cos[:, :split], sin[:, :split])
         if past is not None:
             k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
         out, k_last, v_last = self.block(x[:, split:], cos[:, split:], sin[:, split:], mask[:, :, split:], (k, v))
         return out, torch.cat([k[:, :, -split:], k_last], dim=2), torch.cat([v[:, :, -split:], v_last], dim=2)
 
-    def _keys_values(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-        """The layer's keys and values of inputs x [R, L, D] (as its attention computes them) -> 2 x [R, H, L, Dh]."""
-        attn = self.block.attn
-        width = attn.n_kv_heads * attn.head_dim
-        _, k, v = attn.wqkv(self.block.attn_norm(x)).split([attn.n_heads * attn.head_dim, width, width], dim=-1)
-        k = _apply_rotary(k.unflatten(-1, (attn.n_kv_heads, attn.head_dim)).transpose(1, 2), cos, sin)
-        return k, v.unflatten(-1, (attn.n_kv_heads, attn.head_dim)).transpose(1, 2)
+
+
+def _keys_values(block: _Block, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """A layer's keys and values of inputs x [R, L, D] (as its attention computes them) -> 2 x [R, H, L, Dh]."""
+    attn = block.attn
+    width = attn.n_kv_heads * attn.head_dim
+    _, k, v = attn.wqkv(block.attn_norm(x)).split([attn.n_heads * attn.head_dim, width, width], dim=-1)
+    k = _apply_rotary(k.unflatten(-1, (attn.n_kv_heads, attn.head_dim)).transpose(1, 2), cos, sin)
+    return k, v.unflatten(-1, (attn.n_kv_heads, attn.head_dim)).transpose(1, 2)
 
 
 class DFlashHead(nn.Module):
@@ -151,14 +153,21 @@ class DFlashHead(nn.Module):
         # normed before use: only their directions count
         self.slot = nn.Parameter(torch.randn(config.max_drafts - 1, 2, config.dim) * 0.02)
 
-    def forward(self, features: Tensor, embeddings: Tensor, positions: Tensor, mask: Tensor) -> Tensor:
+    def forward(self, features: Tensor, embeddings: Tensor, positions: Tensor, mask: Tensor,
+                last: int | None = None) -> Tensor:
         """features, embeddings [R, L, D] (slots included), positions [R, L], mask [R, 1, L, L] (True: attend)
-        -> outputs [R, L, D] before the target's final norm."""
+        -> outputs [R, L, D] before the target's final norm (``last``: of the last ``last`` inputs only, the
+        drafts': the last layer then runs its queries and MLP on those alone)."""
         x = self.fuse(torch.cat([self.norms[0](features), self.norms[1](embeddings)], dim=-1))
         cos, sin = self.rotary(positions)
-        for block in self.blocks:
+        *early, final = self.blocks
+        for block in early:
             x, _, _ = block(x, cos, sin, mask, None)
-        return x
+        if last is None or last >= x.shape[1]:
+            return final(x, cos, sin, mask, None)[0]
+        split = x.shape[1] - last
+        past = _keys_values(final, x[:, :split], cos[:, :split], sin[:, :split])
+        return final(x[:, split:], cos[:, split:], sin[:, split:], mask[:, :, split:], past)[0]
 
     def slots(self, rows: int, count: int, repeat: int = 1) -> tuple[Tensor, Tensor]:
         """The inputs of slots 1..count (each ``repeat`` times in a row) -> (features, embeddings), each
@@ -277,7 +286,7 @@ def dflash_draft(head: DFlashHead, backbone, features: Tensor, tokens: Tensor, v
     causal = torch.ones((size, size), dtype=torch.bool, device=tokens.device).tril()
     mask = ((causal & real[:, None, :]) | torch.eye(size, dtype=torch.bool, device=tokens.device))[:, None]
     positions = torch.arange(size, device=tokens.device).expand(rows, size)
-    out = project(norm(head(inputs, embedded, positions, mask)[:, width - 1 :]))  # [R, k, V]
+    out = project(norm(head(inputs, embedded, positions, mask, last=k)))  # [R, k, V]
     logits, drafts = [], []
     finished = torch.zeros(rows, dtype=torch.bool, device=tokens.device)
     for j in range(k):
