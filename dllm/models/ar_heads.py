@@ -93,39 +93,6 @@ class _Core(nn.Module):
         return h + self.mlp(self.mlp_norm(h))
 
 
-class EagleHead(nn.Module):
-    """h_i = block(fuse(norm(f_i), norm(e(x_{i+1})))): one causal transformer layer over (feature, next token)
-    pairs; norm_target(h_i) is the predicted f_{i+1} (its logits draft x_{i+2})."""
-
-    def __init__(self, config: HeadConfig):
-        super().__init__()
-        self.config = config
-        self.norms = nn.ModuleList(_RMSNorm(config.dim, config.norm_eps) for _ in range(2))
-        self.fuse = nn.Linear(2 * config.dim, config.dim, bias=False)
-        layer = TransformerConfig(vocab_size=config.vocab_size, dim=config.dim, n_layers=1, n_heads=config.n_heads,
-                                  mlp_hidden=config.hidden, max_seq_len=ROTARY_LEN, norm_eps=config.norm_eps)
-        self.block = _Block(layer)
-        self.rotary = _Rotary(layer.head_dim, ROTARY_LEN, layer.rope_theta)
-
-    def forward(self, features: Tensor, embeddings: Tensor, positions: Tensor, mask: Tensor,
-                past: tuple[Tensor, Tensor] | None = None, last: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        """features, embeddings [R, L, D], positions [R, L], mask [R, 1, L, P + L] (True: attend), keys and
-        values of P earlier inputs -> (outputs [R, L, D] before the target's final norm, this call's keys and
-        values [R, H, L, Dh]). ``last``: outputs of the last ``last`` inputs only (keys and values of all):
-        a context's earlier outputs are never read, and the layer's MLP over them would dominate a round."""
-        x = self.fuse(torch.cat([self.norms[0](features), self.norms[1](embeddings)], dim=-1))
-        cos, sin = self.rotary(positions)
-        if last is None or last >= x.shape[1]:
-            return self.block(x, cos, sin, mask, past)
-        split = x.shape[1] - last
-        k, v = _keys_values(self.block, x[:, :split], cos[:, :split], sin[:, :split])
-        if past is not None:
-            k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
-        out, k_last, v_last = self.block(x[:, split:], cos[:, split:], sin[:, split:], mask[:, :, split:], (k, v))
-        return out, torch.cat([k[:, :, -split:], k_last], dim=2), torch.cat([v[:, :, -split:], v_last], dim=2)
-
-
-
 def _keys_values(block: _Block, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
     """A layer's keys and values of inputs x [R, L, D] (as its attention computes them) -> 2 x [R, H, L, Dh]."""
     attn = block.attn
@@ -135,21 +102,65 @@ def _keys_values(block: _Block, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Te
     return k, v.unflatten(-1, (attn.n_kv_heads, attn.head_dim)).transpose(1, 2)
 
 
-class DFlashHead(nn.Module):
+def _last_only(block: _Block, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, past, last: int | None):
+    """``block(x, cos, sin, mask, past)`` -> (out, keys, values), with ``last``: outputs of the last ``last``
+    inputs only (keys and values of all), the earlier ones' queries and MLP skipped."""
+    if last is None or last >= x.shape[1]:
+        return block(x, cos, sin, mask, past)
+    split = x.shape[1] - last
+    k, v = _keys_values(block, x[:, :split], cos[:, :split], sin[:, :split])
+    if past is not None:
+        k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+    out, k_last, v_last = block(x[:, split:], cos[:, split:], sin[:, split:], mask[:, :, split:], (k, v))
+    return out, torch.cat([k[:, :, -split:], k_last], dim=2), torch.cat([v[:, :, -split:], v_last], dim=2)
+
+
+class _PairHead(nn.Module):
+    """What the EAGLE and DFlash heads share: fused, normed (feature, next-token embedding) pairs and the
+    rotary tables of ``layers`` transformer layers of the target's shape."""
+
+    def __init__(self, config: HeadConfig, layers: int):
+        super().__init__()
+        self.config = config
+        self.norms = nn.ModuleList(_RMSNorm(config.dim, config.norm_eps) for _ in range(2))
+        self.fuse = nn.Linear(2 * config.dim, config.dim, bias=False)
+        self.layer = TransformerConfig(vocab_size=config.vocab_size, dim=config.dim, n_layers=layers,
+                                       n_heads=config.n_heads, mlp_hidden=config.hidden, max_seq_len=ROTARY_LEN,
+                                       norm_eps=config.norm_eps)
+        self.rotary = _Rotary(self.layer.head_dim, ROTARY_LEN, self.layer.rope_theta)
+
+    def _inputs(self, features: Tensor, embeddings: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """-> (fused pairs [R, L, D], rotary cos, sin at ``positions``)."""
+        x = self.fuse(torch.cat([self.norms[0](features), self.norms[1](embeddings)], dim=-1))
+        return (x, *self.rotary(positions))
+
+
+class EagleHead(_PairHead):
+    """h_i = block(fuse(norm(f_i), norm(e(x_{i+1})))): one causal transformer layer over (feature, next token)
+    pairs; norm_target(h_i) is the predicted f_{i+1} (its logits draft x_{i+2})."""
+
+    def __init__(self, config: HeadConfig):
+        super().__init__(config, 1)
+        self.block = _Block(self.layer)
+
+    def forward(self, features: Tensor, embeddings: Tensor, positions: Tensor, mask: Tensor,
+                past: tuple[Tensor, Tensor] | None = None, last: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """features, embeddings [R, L, D], positions [R, L], mask [R, 1, L, P + L] (True: attend), keys and
+        values of P earlier inputs -> (outputs [R, L, D] before the target's final norm, this call's keys and
+        values [R, H, L, Dh]). ``last``: outputs of the last ``last`` inputs only (keys and values of all):
+        a context's earlier outputs are never read, and the layer's MLP over them would dominate a round."""
+        x, cos, sin = self._inputs(features, embeddings, positions)
+        return _last_only(self.block, x, cos, sin, mask, past, last)
+
+
+class DFlashHead(_PairHead):
     """h = layers(fuse(norm(f_i), norm(e(x_{i+1})))) over the context's pairs and then k - 1 learned slots
     (``slot`` [max_drafts - 1, 2, D]: per depth a stand-in feature and embedding); norm_target(h) at the
     context's last pair and at slot j draft the block's tokens 0 and j."""
 
     def __init__(self, config: HeadConfig):
-        super().__init__()
-        self.config = config
-        self.norms = nn.ModuleList(_RMSNorm(config.dim, config.norm_eps) for _ in range(2))
-        self.fuse = nn.Linear(2 * config.dim, config.dim, bias=False)
-        layer = TransformerConfig(vocab_size=config.vocab_size, dim=config.dim, n_layers=config.layers,
-                                  n_heads=config.n_heads, mlp_hidden=config.hidden, max_seq_len=ROTARY_LEN,
-                                  norm_eps=config.norm_eps)
-        self.blocks = nn.ModuleList(_Block(layer) for _ in range(config.layers))
-        self.rotary = _Rotary(layer.head_dim, ROTARY_LEN, layer.rope_theta)
+        super().__init__(config, config.layers)
+        self.blocks = nn.ModuleList(_Block(self.layer) for _ in range(config.layers))
         # normed before use: only their directions count
         self.slot = nn.Parameter(torch.randn(config.max_drafts - 1, 2, config.dim) * 0.02)
 
@@ -158,23 +169,18 @@ class DFlashHead(nn.Module):
         """features, embeddings [R, L, D] (slots included), positions [R, L], mask [R, 1, L, L] (True: attend)
         -> outputs [R, L, D] before the target's final norm (``last``: of the last ``last`` inputs only, the
         drafts': the last layer then runs its queries and MLP on those alone)."""
-        x = self.fuse(torch.cat([self.norms[0](features), self.norms[1](embeddings)], dim=-1))
-        cos, sin = self.rotary(positions)
+        x, cos, sin = self._inputs(features, embeddings, positions)
         *early, final = self.blocks
         for block in early:
             x, _, _ = block(x, cos, sin, mask, None)
-        if last is None or last >= x.shape[1]:
-            return final(x, cos, sin, mask, None)[0]
-        split = x.shape[1] - last
-        past = _keys_values(final, x[:, :split], cos[:, :split], sin[:, :split])
-        return final(x[:, split:], cos[:, split:], sin[:, split:], mask[:, :, split:], past)[0]
+        return _last_only(final, x, cos, sin, mask, None, last)[0]
 
     def slots(self, rows: int, count: int, repeat: int = 1) -> tuple[Tensor, Tensor]:
         """The inputs of slots 1..count (each ``repeat`` times in a row) -> (features, embeddings), each
         [rows, count * repeat, D]."""
         if count > self.slot.shape[0]:
-            raise ValueError(f"num_draft_tokens ({count + 1}) exceeds this dflash head's max_drafts "
-                             f"({self.config.max_drafts})")
+            raise ValueError(f"a dflash head with max_drafts={self.config.max_drafts} drafts at most that many "
+                             f"tokens a round, asked for {count + 1}")
         slot = self.slot[:count].repeat_interleave(repeat, dim=0)
         return slot[:, 0].expand(rows, -1, -1), slot[:, 1].expand(rows, -1, -1)
 
@@ -205,6 +211,21 @@ def backbone_parts(model) -> tuple[nn.Module, nn.Module, object]:
     return model.tok_embeddings, model.norm, model._project
 
 
+def _causal_mask(valid: Tensor) -> Tensor:
+    """Causal attention over inputs [R, L] whose ``valid`` ones may be attended to -> [R, 1, L, L]; a padded
+    query attends to itself (its output is never read)."""
+    size = valid.shape[1]
+    causal = torch.ones((size, size), dtype=torch.bool, device=valid.device).tril()
+    return ((causal & valid[:, None, :]) | torch.eye(size, dtype=torch.bool, device=valid.device))[:, None]
+
+
+def _context_keys(offset: Tensor, valid: Tensor, t: int, window: int) -> Tensor:
+    """Training masks' real-pair part for depth t [B, L, L]: query i sees the valid keys j with
+    i - t - window < j <= i - t (``offset`` [L, L] is j - i); at depth 0 a padded query sees itself."""
+    base = (offset <= -t) & (offset > -t - window) & valid[:, None, :]
+    return base | ((offset == 0) & (t == 0))
+
+
 def eagle_draft(head: EagleHead, backbone, features: Tensor, tokens: Tensor, valid: Tensor, k: int,
                 pick, done=None) -> tuple[Tensor, Tensor]:
     """Draft k tokens after a context of C positions: the target's features [R, C, D] at positions
@@ -215,9 +236,7 @@ def eagle_draft(head: EagleHead, backbone, features: Tensor, tokens: Tensor, val
     has held for every row. Differentiable (no no_grad here)."""
     embed, norm, project = backbone_parts(backbone)
     rows, width = tokens.shape
-    causal = torch.ones((width, width), dtype=torch.bool, device=tokens.device).tril()
-    eye = torch.eye(width, dtype=torch.bool, device=tokens.device)
-    mask = ((causal & valid[:, None, :]) | eye)[:, None]  # a padded query attends to itself (never read)
+    mask = _causal_mask(valid)
     positions = torch.arange(width, device=tokens.device).expand(rows, width)
     out, keys, values = head(features, embed(tokens), positions, mask, last=1)
     feature, logits, drafts = norm(out), [], []
@@ -256,9 +275,8 @@ def eagle_train_logits(head: EagleHead, backbone, features: Tensor, tokens: Tens
     offset = i[None, :] - i[:, None]  # [query i, key j] j - i
     for t in range(depth):
         # depth-0 keys j with i - t - window < j <= i - t (valid); depth-s keys (1 <= s <= t) at j = i - t + s
-        base = (offset <= -t) & (offset > -t - window) & valid[:, None, :]
-        base = base | ((offset == 0) & (t == 0))  # padding attends to itself (never read)
-        parts = [base] + [(offset == s - t).expand(batch, length, length) for s in range(1, t + 1)]
+        parts = [_context_keys(offset, valid, t, window)]
+        parts += [(offset == s - t).expand(batch, length, length) for s in range(1, t + 1)]
         mask = torch.cat(parts, dim=-1)[:, None]
         past = None if keys is None else (keys, values)
         out, k_new, v_new = head(inputs, e, positions, mask, past)
@@ -282,9 +300,7 @@ def dflash_draft(head: DFlashHead, backbone, features: Tensor, tokens: Tensor, v
     slot_features, slot_embeddings = head.slots(rows, k - 1)
     inputs = torch.cat([features, slot_features.to(features.dtype)], dim=1)
     embedded = torch.cat([embed(tokens), slot_embeddings.to(features.dtype)], dim=1)
-    real = torch.cat([valid, valid.new_ones((rows, k - 1))], dim=1)
-    causal = torch.ones((size, size), dtype=torch.bool, device=tokens.device).tril()
-    mask = ((causal & real[:, None, :]) | torch.eye(size, dtype=torch.bool, device=tokens.device))[:, None]
+    mask = _causal_mask(torch.cat([valid, valid.new_ones((rows, k - 1))], dim=1))
     positions = torch.arange(size, device=tokens.device).expand(rows, size)
     out = project(norm(head(inputs, embedded, positions, mask, last=k)))  # [R, k, V]
     logits, drafts = [], []
@@ -313,9 +329,8 @@ def dflash_train_logits(head: DFlashHead, backbone, features: Tensor, tokens: Te
     window = head.config.context
     rows = []
     for t in range(depth):
-        base = (offset <= -t) & (offset > -t - window) & valid[:, None, :]
-        base = base | ((offset == 0) & (t == 0))  # padding attends to itself (never read)
-        parts = [base] + [(offset == s - t).expand(batch, length, length) & (s <= t) for s in range(1, depth)]
+        parts = [_context_keys(offset, valid, t, window)]
+        parts += [(offset == s - t).expand(batch, length, length) & (s <= t) for s in range(1, depth)]
         rows.append(torch.cat(parts, dim=-1))
     mask = torch.cat(rows, dim=1)[:, None]  # [B, 1, depth L, depth L]
     slot_features, slot_embeddings = head.slots(batch, depth - 1, repeat=length)
@@ -383,7 +398,7 @@ def save_head(head: EagleHead | DFlashHead | RepairHead, folder: str | Path, car
 
 def head_config(head) -> HeadConfig:
     """The config of a head module or of a head folder (without loading its weights)."""
-    if isinstance(head, EagleHead | DFlashHead | RepairHead):
+    if isinstance(head, tuple(HEADS.values())):
         return head.config
     path = Path(head) / "config.json"
     if not path.is_file():
@@ -393,7 +408,7 @@ def head_config(head) -> HeadConfig:
 
 def load_head(head, device=None, dtype=None) -> EagleHead | DFlashHead | RepairHead:
     """A head module as it is, or the head saved in folder ``head``, in eval mode."""
-    if isinstance(head, EagleHead | DFlashHead | RepairHead):
+    if isinstance(head, tuple(HEADS.values())):
         return head
     module = new_head(head_config(head))
     module.load_state_dict(load_file(str(Path(head) / "model.safetensors")))
