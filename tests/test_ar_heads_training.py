@@ -1,4 +1,5 @@
-"""The eagle-head / repair-head recipes (dllm/training/ar_heads.py) on tiny random backbones (offline, fast)."""
+"""The eagle-head / dflash-head / repair-head / distill-drafter recipes (dllm/training/ar_heads.py) on tiny
+random backbones (offline, fast)."""
 
 import shutil
 from dataclasses import replace
@@ -48,7 +49,7 @@ def _batch(recipe):
     return batch, torch.tensor([len(e.prompt) for e in examples])
 
 
-@pytest.mark.parametrize("kind", ["eagle", "dflash", "repair"])
+@pytest.mark.parametrize("kind", ["eagle", "dflash", "repair", "drafter"])
 @pytest.mark.parametrize("objective", ["ce", "tv"])
 def test_offline_objectives_fit_a_fixed_batch(backbones, kind, objective):
     recipe = HeadRecipe(kind=kind, objective=objective, target=backbones["ar"], drafter=backbones["diffusion"],
@@ -68,7 +69,7 @@ def test_offline_objectives_fit_a_fixed_batch(backbones, kind, objective):
     assert all(p.grad is None or p.grad.abs().sum() == 0 for p in models.target.parameters())
 
 
-@pytest.mark.parametrize("kind", ["eagle", "dflash", "repair"])
+@pytest.mark.parametrize("kind", ["eagle", "dflash", "repair", "drafter"])
 def test_on_policy_loss_is_finite_and_reaches_the_head(backbones, kind):
     recipe = HeadRecipe(kind=kind, objective="opd", target=backbones["ar"], drafter=backbones["diffusion"],
                         hidden=32, starts=1, num_draft_tokens=4)
@@ -96,9 +97,47 @@ def test_recipe_trains_a_head_that_ar_spec_loads(backbones, tmp_path, kind):
     assert load_head(tmp_path / "head").config.kind == kind
 
 
+def test_distill_drafter_trains_a_drafter_that_ar_spec_loads(backbones, tmp_path):
+    """kind="drafter" trains the diffusion drafter's own weights (the folder it came from is untouched) and
+    saves a model folder; ar_spec with it is the target's greedy chain, token for token."""
+    recipe = HeadRecipe(kind="drafter", objective="tv", target=backbones["ar"], drafter=backbones["diffusion"],
+                        budget_tokens=800, starts=2, eval_prompts=1, eval_new_tokens=6, num_draft_tokens=4, lr=1e-2)
+    summary = train_head(recipe, tmp_path, log=lambda _: None)
+    assert summary["forward_tokens"] >= 800 and summary["heldout"]["T0"]["new_tokens"] > 0
+    before = TransformerLM.from_pretrained(backbones["diffusion"])
+    after = dllm.load(tmp_path / "drafter")
+    assert after.config == before.config and (tmp_path / "drafter" / "tokenizer.json").is_file()
+    assert any(not torch.equal(a, b) for a, b in zip(after.parameters(), before.parameters()))
+    target = TransformerLM.from_pretrained(backbones["ar"])
+    prompt = torch.tensor([[5, 6, 7, 8]])
+    spec = dllm.generate(target, prompt, sampler="ar_spec", max_new_tokens=10, temperature=0.0, drafter=after,
+                         num_draft_tokens=4)
+    plain = dllm.generate(target, prompt, sampler="ar", max_new_tokens=10, temperature=0.0)
+    assert torch.equal(spec.sequences, plain.sequences) and spec.stats.drafted > 0
+
+
+def test_distill_drafter_refuses_a_head_init_and_a_bad_greedy_share(backbones, tmp_path):
+    with pytest.raises(ValueError, match="distill-drafter starts from drafter="):
+        HeadRecipe(kind="drafter", init=str(tmp_path / "h"))
+    with pytest.raises(ValueError, match=r"greedy_share must be in \[0, 1\]"):
+        HeadRecipe(kind="drafter", greedy_share=1.5)
+    with pytest.raises(ValueError, match="needs a block-causal drafter"):
+        _Models(HeadRecipe(kind="drafter", target=backbones["ar"], drafter=backbones["ar"]))
+    with pytest.raises(ValueError, match="drafter_layers is distill-drafter's"):
+        HeadRecipe(kind="eagle", drafter_layers=(0,))
+    with pytest.raises(ValueError, match="drafter_layers must be increasing layer indices"):
+        HeadRecipe(kind="drafter", drafter_layers=(1, 0))
+    with pytest.raises(ValueError, match=r"layers to keep must be increasing indices in 0\.\.0"):
+        _Models(HeadRecipe(kind="drafter", target=backbones["ar"], drafter=backbones["diffusion"], drafter_layers=(1,)))
+    kept = _Models(HeadRecipe(kind="drafter", target=backbones["ar"], drafter=backbones["diffusion"],
+                              drafter_layers=(0,)))
+    assert kept.head is kept.drafter and kept.drafter.config.n_layers == 1
+
+
 def test_recipes_are_registered_and_refuse_bad_keys(tmp_path, capsys):
     assert RECIPES["eagle-head"].startswith("dllm.training.ar_heads") and "repair-head" in RECIPES
     assert RECIPES["dflash-head"] == "dllm.training.ar_heads:dflash_main"
+    assert RECIPES["distill-drafter"] == "dllm.training.ar_heads:drafter_main"
     with pytest.raises(SystemExit):
         main(["--output", str(tmp_path), "--set", "objective='kl'"])
     assert "objective must be one of" in capsys.readouterr().err
@@ -110,17 +149,18 @@ def test_recipes_are_registered_and_refuse_bad_keys(tmp_path, capsys):
     assert "data must be 'rollouts' or 'stream'" in capsys.readouterr().err
 
 
-def test_rollout_data_is_the_targets_own_answers(backbones):
-    """data='rollouts': the first half of a step's prompts get the target's greedy answer (up to its EOS),
-    the rest a T=1 sample; the prompts are kept and the generation's tokens count in the budget."""
-    recipe = HeadRecipe(kind="eagle", target=backbones["ar"], hidden=32, eval_new_tokens=12)
+@pytest.mark.parametrize("share, greedy_rows", [(0.5, 2), (0.75, 3)])
+def test_rollout_data_is_the_targets_own_answers(backbones, share, greedy_rows):
+    """data='rollouts': the first ``greedy_share`` of a step's prompts get the target's greedy answer (up to
+    its EOS), the rest a T=1 sample; the prompts are kept and the generation's tokens count in the budget."""
+    recipe = HeadRecipe(kind="eagle", target=backbones["ar"], hidden=32, eval_new_tokens=12, greedy_share=share)
     models = _Models(recipe)
     tokenizer = load_tokenizer(Path(recipe.target) / "tokenizer.json")
     examples = tokenize_problems(step_problems(0, 0, 4, 0, 1, PRESETS["default"]), tokenizer, "causal", None, 0)
     rolled = _rollout_examples(models, recipe, examples, seed=3)
     assert [e.prompt for e in rolled] == [e.prompt for e in examples]
     eos = models.target.eos_token_id
-    for e in rolled[:2]:
+    for e in rolled[:greedy_rows]:
         greedy = dllm.generate(models.target, torch.tensor([e.prompt]), sampler="ar", max_new_tokens=12,
                                temperature=0.0, eos_token_id=eos).sequences[0, len(e.prompt):].tolist()
         assert list(e.region) == (greedy[: greedy.index(eos) + 1] if eos in greedy else greedy)

@@ -323,3 +323,24 @@ def test_return_hidden_gives_the_features_the_logits_are_projected_from(layout):
         torch.testing.assert_close(cached_features, features[:, 4:], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(cached_logits, model._project(cached_features))
     assert model.capabilities.hidden_states
+
+
+def test_keep_layers_drops_layers_and_round_trips(tmp_path):
+    """keep_layers([0, 2]) of a 3-layer model computes what the model computes with its middle layer
+    skipped, saves as a 2-layer model that loads back to the same logits, and refuses bad indices."""
+    model = _model("block_causal", n_layers=3)
+    ids = _ids(2, 12)
+    skipped = copy.deepcopy(model)
+    skipped.layers[1].forward = lambda x, *rest: (x, None, None)  # the residual stream passes layer 1 unchanged
+    expected = skipped(ids, block_offset=torch.zeros(2, dtype=torch.long))
+    kept = copy.deepcopy(model)
+    kept.keep_layers([0, 2])
+    assert kept.config.n_layers == 2 and len(kept.layers) == 2
+    got = kept(ids, block_offset=torch.zeros(2, dtype=torch.long))
+    assert torch.allclose(got, expected, atol=1e-5)
+    kept.save_pretrained(tmp_path / "m")
+    again = TransformerLM.from_pretrained(tmp_path / "m")
+    assert torch.allclose(again(ids, block_offset=torch.zeros(2, dtype=torch.long)), got, atol=1e-6)
+    for bad in ([], [1, 0], [0, 0], [3], [-1]):
+        with pytest.raises(ValueError, match="layers to keep must be increasing indices in 0..2"):
+            copy.deepcopy(model).keep_layers(bad)

@@ -386,6 +386,15 @@ def test_two_stream_head_recipe_trains_a_loadable_head(tmp_path):
     assert run_recipe("two-stream-head", ["--prompts", "1", "--output", str(tmp_path / "x")]) == 2
     assert run_recipe("two-stream-head", ["--orders", "sideways", "--output", str(tmp_path / "x")]) == 2
     assert '"confidence T1"' in report  # both orders rolled and held out
+    # --init continues a head (here at a negligible lr: the weights stay the init's, not a fresh head's)
+    assert run_recipe("two-stream-head", ["--init", str(tmp_path / "h"), "--seed", "1", "--prompts", "4", "--steps",
+                                          "1", "--lr", "1e-12", "--heldout", "1", "--output", str(tmp_path / "c")]) == 0
+    continued = DraftHead.from_pretrained(tmp_path / "c")
+    assert continued.config == head.config
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(continued.parameters(), head.parameters()))
+    assert '"init"' in (tmp_path / "c" / "train.json").read_text()
+    shipped_fef_head = SHIPPED.parent / "fef_head"  # a block-diffusion head: refused, naming --init
+    assert run_recipe("two-stream-head", ["--init", str(shipped_fef_head), "--output", str(tmp_path / "x")]) == 2
 
 
 def test_a_head_for_another_vocabulary_is_refused_by_name(model):

@@ -680,6 +680,15 @@ class TransformerLM(nn.Module):
             logits[..., self.mask_token_id] = float("-inf")
         return logits
 
+    def keep_layers(self, indices) -> None:
+        """Keep only the layers at ``indices`` (increasing), in place: a shallower model from a trained one
+        (layer dropping), e.g. the start of a cheaper drafter that training then adapts."""
+        indices = list(indices)
+        if not indices or indices != sorted(set(indices)) or indices[0] < 0 or indices[-1] >= len(self.layers):
+            raise ValueError(f"layers to keep must be increasing indices in 0..{len(self.layers) - 1}, got {indices}")
+        self.layers = nn.ModuleList(self.layers[i] for i in indices)
+        self.config = dataclasses.replace(self.config, n_layers=len(indices))
+
     def save_pretrained(self, folder: str | Path) -> None:
         """Write ``config.json`` and ``model.safetensors`` (tied output weight stored once) to folder."""
         folder = Path(folder)

@@ -1,8 +1,10 @@
-"""Recipes ``eagle-head``, ``dflash-head``, ``repair-head``: train an ar_spec draft head against the frozen AR target.
+"""Recipes ``eagle-head``, ``dflash-head``, ``repair-head``, ``distill-drafter``: train an ar_spec drafter
+(a draft head, or a diffusion drafter's own weights) against the frozen AR target.
 
     python -m dllm.train --recipe eagle-head --config configs/eagle_head.toml --output runs/eagle-ce
     python -m dllm.train --recipe dflash-head --config configs/dflash_head.toml --output runs/dflash
     python -m dllm.train --recipe repair-head --config configs/repair_head.toml --set objective=tv
+    python -m dllm.train --recipe distill-drafter --config configs/distill_drafter.toml --output runs/distill
 
 The targets are free: the AR target's next-token distributions (no_grad) on the synthetic training stream
 (``dllm.data.synthetic``, the data the target was trained on). Objectives (``draft_losses.py``):
@@ -13,7 +15,11 @@ The targets are free: the AR target's next-token distributions (no_grad) on the 
   training sees the drift it meets when drafting); a DFlash head drafts the same ``unroll`` depths from
   every position in one pass (``dflash_train_logits``: depth t is slot t of the block whose context ends
   t positions earlier); the repair head rewrites a block of
-  ``num_draft_tokens`` drafts from the diffusion drafter's features at ``starts`` random answer positions.
+  ``num_draft_tokens`` drafts from the diffusion drafter's features at ``starts`` random answer positions;
+  ``distill-drafter`` (kind ``drafter``) trains the diffusion drafter itself on the same canvases (the ones
+  ar_spec gives it: the sequence before the start, masks to the end of the last draft's block), its
+  marginals at the k draft positions against the target's next-token laws there. Its rounds cost what
+  the shipped drafter's cost (one call, no head steps).
   With ``data = "rollouts"`` (the default) the answers are the target's own continuations of each
   step's prompts (half greedy, half sampled at T=1; their forward tokens count in the budget): the
   sequences ar_spec meets, where at T=0 the accepted drafts ARE the target's greedy chain. ``data =
@@ -34,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import time
 import tomllib
 from dataclasses import asdict, dataclass, fields, replace
@@ -57,18 +64,19 @@ from dllm.models.ar_heads import (
     save_head,
 )
 from dllm.models.transformer import TransformerLM
-from dllm.numerics import left_pad
+from dllm.numerics import forbid_token, left_pad
 from dllm.training.batches import IGNORE, Example, build_batch, derive_seed, step_problems, tokenize_problems
 from dllm.training.draft_losses import OBJECTIVES, draft_loss
 
 WEIGHTS = Path(__file__).resolve().parent.parent / "weights"
+RECIPE_KINDS = (*KINDS, "drafter")  # "drafter": the diffusion drafter's own weights, no head
 
 
 @dataclass(frozen=True)
 class HeadRecipe:
     """One head-training run (a TOML file's top-level keys)."""
 
-    kind: str = "eagle"  # eagle | dflash | repair
+    kind: str = "eagle"  # eagle | dflash | repair | drafter (the diffusion drafter's own weights)
     objective: str = "ce"  # OBJECTIVES
     target: str = str(WEIGHTS / "ar")
     drafter: str = str(WEIGHTS / "diffusion")  # the repair head's diffusion drafter
@@ -88,10 +96,23 @@ class HeadRecipe:
     context: int = 64  # EAGLE: target features the head attends to before its drafts
     n_heads: int = 4  # EAGLE, DFlash: attention heads
     layers: int = 1  # DFlash: transformer layers
+    greedy_share: float = 0.5  # data="rollouts": the share of each step's answers decoded greedily (the rest T=1)
+    drafter_layers: tuple[int, ...] = ()  # distill-drafter: keep only these of the drafter's layers (a cheaper one)
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        if self.kind not in RECIPE_KINDS:
+            raise ValueError(f"kind must be one of {RECIPE_KINDS}, got {self.kind!r}")
+        if self.kind == "drafter" and self.init:
+            raise ValueError(f"init names a head to start from; distill-drafter starts from drafter= "
+                             f"({self.drafter!r}), got init={self.init!r}")
+        if self.drafter_layers and self.kind != "drafter":
+            raise ValueError(f"drafter_layers is distill-drafter's (kind='drafter'), got kind={self.kind!r}")
+        layers = list(self.drafter_layers)
+        if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers) or layers != sorted(set(layers)):
+            raise ValueError(f"drafter_layers must be increasing layer indices >= 0, got {self.drafter_layers!r}")
+        if not 0 <= self.greedy_share <= 1:
+            raise ValueError(f"greedy_share must be in [0, 1] (the share of rollouts decoded greedily), "
+                             f"got {self.greedy_share!r}")
         if self.kind != "dflash" and self.layers != 1:
             raise ValueError(f"layers must be 1 for a {self.kind} head (layers is a dflash head's), got {self.layers}")
         if self.objective not in OBJECTIVES:
@@ -113,13 +134,19 @@ class _Models:
         self.target = TransformerLM.from_pretrained(recipe.target, dtype=torch.float32).requires_grad_(False)
         self.drafter = None
         backbone = self.target
-        if recipe.kind == "repair":
+        if recipe.kind in ("repair", "drafter"):
             self.drafter = TransformerLM.from_pretrained(recipe.drafter, dtype=torch.float32).requires_grad_(False)
             if self.drafter.config.layout != "block_causal":
-                raise ValueError(f"repair-head trains on a block-causal drafter; {recipe.drafter} is "
+                raise ValueError(f"{recipe.kind} training needs a block-causal drafter; {recipe.drafter} is "
                                  f"{self.drafter.config.layout}")
             backbone = self.drafter
         self.backbone = backbone
+        self.tokens = 0
+        if recipe.kind == "drafter":  # the drafter's own weights are what trains
+            if recipe.drafter_layers:
+                self.drafter.keep_layers(recipe.drafter_layers)
+            self.head = self.drafter.requires_grad_(True).train()
+            return
         self.head = new_head(HeadConfig(recipe.kind, backbone.config.dim, backbone.vocab_size, recipe.hidden,
                                         n_heads=recipe.n_heads, context=recipe.context, layers=recipe.layers))
         if recipe.init:
@@ -133,7 +160,6 @@ class _Models:
             if config.kind != recipe.kind:
                 self.head = dflash_from_eagle(self.head, recipe.layers)
             self.head.train()
-        self.tokens = 0
 
     def call(self, model, input_ids, **kwargs):
         self.tokens += int(kwargs["attention_mask"].sum()) if "attention_mask" in kwargs else input_ids.numel()
@@ -161,9 +187,10 @@ def _window(t: torch.Tensor, rows, starts, width: int) -> torch.Tensor:
     return t[rows[:, None], at]
 
 
-def _repair_features(models: _Models, input_ids, prompt_lens, rows, starts, width: int) -> torch.Tensor:
-    """The diffusion drafter's features at draft positions starts..starts+width-1 of canvases holding the
-    data before ``starts`` and masks up to the end of the last draft's block -> [R, width, D]."""
+def _drafter_outputs(models: _Models, input_ids, prompt_lens, rows, starts, width: int, grad: bool = False):
+    """The diffusion drafter's (logits, features) at draft positions starts..starts+width-1 -> [R, width, V],
+    [R, width, D], on the canvases ar_spec gives it: the data before ``starts``, masks up to the end of the
+    last draft's block, blocks anchored at the answer start. ``grad``: with gradient (the drafter trains)."""
     block = models.drafter.config.block_size
     offset = prompt_lens[rows]
     ends = offset + torch.div(starts + width - 1 - offset, block, rounding_mode="floor").add(1).mul(block)
@@ -172,8 +199,19 @@ def _repair_features(models: _Models, input_ids, prompt_lens, rows, starts, widt
     known = torch.arange(size)[None, :] < starts[:, None]
     canvas = torch.where(known, data, models.drafter.mask_token_id)
     mask = (torch.arange(size)[None, :] < ends[:, None]).long()
-    _, features = models.call(models.drafter, canvas, attention_mask=mask, block_offset=offset)
-    return _window(features, torch.arange(len(rows)), starts, width)
+    if grad:
+        models.tokens += int(mask.sum())
+        logits, features = models.drafter(canvas, attention_mask=mask, block_offset=offset, return_hidden=True)
+    else:
+        logits, features = models.call(models.drafter, canvas, attention_mask=mask, block_offset=offset)
+    at = torch.arange(len(rows))
+    logits = forbid_token(_window(logits, at, starts, width), models.drafter.mask_token_id)  # as ar_spec drafts
+    return logits[..., : models.target.vocab_size], _window(features, at, starts, width)
+
+
+def _repair_features(models: _Models, input_ids, prompt_lens, rows, starts, width: int) -> torch.Tensor:
+    """The diffusion drafter's features at the draft positions (``_drafter_outputs``) -> [R, width, D]."""
+    return _drafter_outputs(models, input_ids, prompt_lens, rows, starts, width)[1]
 
 
 def offline_loss(models: _Models, recipe: HeadRecipe, batch, prompt_lens, generator) -> torch.Tensor:
@@ -195,9 +233,12 @@ def offline_loss(models: _Models, recipe: HeadRecipe, batch, prompt_lens, genera
         return draft_loss(recipe.objective, head_logits, target, valid=valid)
     k = recipe.num_draft_tokens
     rows, starts = _answer_starts(batch.targets, recipe.starts, k, generator)
-    feats = _repair_features(models, ids, prompt_lens, rows, starts, k)
-    previous = _window(ids, rows, starts - 1, k)  # the confirmed token, then the data's drafts
-    head_logits = repair_unroll(models.head, models.drafter, feats, previous)[..., : models.target.vocab_size]
+    if recipe.kind == "drafter":
+        head_logits = _drafter_outputs(models, ids, prompt_lens, rows, starts, k, grad=True)[0]
+    else:
+        feats = _repair_features(models, ids, prompt_lens, rows, starts, k)
+        previous = _window(ids, rows, starts - 1, k)  # the confirmed token, then the data's drafts
+        head_logits = repair_unroll(models.head, models.drafter, feats, previous)[..., : models.target.vocab_size]
     target = _reachable(models, _window(logits, rows, starts - 1, k))
     return draft_loss(recipe.objective, _reachable(models, head_logits), target,
                       valid=_window(scored, rows, starts - 1, k))
@@ -236,6 +277,10 @@ def _rollout(models: _Models, recipe: HeadRecipe, prefixes: list[list[int]], pro
                                           seq[rows[:, None], (at + 1).clamp(min=0)], real, k,
                                           lambda step: _draw(step.detach(), generator))
         steps = list(step_logits.unbind(1))
+    elif recipe.kind == "drafter":  # independent drafts from the marginals, as DiffusionDrafter samples them
+        logits = _drafter_outputs(models, seq, prompt_lens, rows, lengths, k, grad=True)[0]
+        drafts = _draw(logits.detach().reshape(-1, vocab), generator).reshape(len(rows), k)
+        steps = list(logits.unbind(1))
     else:
         feats = _repair_features(models, seq, prompt_lens, rows, lengths, k)
         embed = models.drafter.tok_embeddings
@@ -293,13 +338,13 @@ def on_policy_loss(models: _Models, recipe: HeadRecipe, batch, prompt_lens, gene
 
 def _rollout_examples(models: _Models, recipe: HeadRecipe, examples: list[Example], seed: int) -> list[Example]:
     """The examples with the target's own answers to their prompts (``eval_new_tokens`` at most, up to and
-    including its EOS): the first half of the rows greedy, the rest sampled at T=1. Batched ``ar`` with the
+    including its EOS): the first ``greedy_share`` of the rows greedy, the rest sampled at T=1. Batched ``ar`` with the
     KV cache (``dllm.generate``); its forward tokens (prompt + answer per row) count in the budget."""
     import dllm  # the front door, imported here so the training modules stay on the ground floor
 
     eos = models.target.eos_token_id
     out = []
-    half = (len(examples) + 1) // 2
+    half = math.ceil(len(examples) * recipe.greedy_share)
     for part, temperature in ((examples[:half], 0.0), (examples[half:], 1.0)):
         if not part:
             continue
@@ -320,13 +365,17 @@ def heldout_acceptance(models: _Models, recipe: HeadRecipe, temperature: float) 
     import dllm  # the front door, imported here so the training modules stay on the ground floor
 
     tokenizer = load_tokenizer(Path(recipe.target) / "tokenizer.json")
-    options = ({"drafter": "head"} if recipe.kind in FEATURE_KINDS else {"drafter": models.drafter})
+    if recipe.kind == "drafter":  # the drafter under training drafts alone
+        options = {"drafter": models.drafter.eval()}
+    else:
+        options = {"drafter": "head" if recipe.kind in FEATURE_KINDS else models.drafter,
+                   "draft_head": models.head.eval()}
     totals = {"new_tokens": 0, "nfe": 0, "rounds": 0}
     for i, problem in enumerate(heldout_set()[: recipe.eval_prompts]):
         prompt = torch.tensor([tokenizer(format_example(problem["question"]), add_special_tokens=False)["input_ids"]])
         out = dllm.generate(models.target, prompt, sampler="ar_spec", max_new_tokens=recipe.eval_new_tokens,
                             temperature=temperature, generator=torch.Generator().manual_seed(i),
-                            draft_head=models.head.eval(), num_draft_tokens=recipe.num_draft_tokens,
+                            num_draft_tokens=recipe.num_draft_tokens,
                             eos_token_id=models.target.eos_token_id, **options)
         for key in totals:
             totals[key] += getattr(out.stats, key)
@@ -335,8 +384,10 @@ def heldout_acceptance(models: _Models, recipe: HeadRecipe, temperature: float) 
 
 
 def train_head(recipe: HeadRecipe, output: Path, log=print) -> dict:
-    """Train until ``budget_tokens`` target/drafter forward tokens are spent; save head, card and metrics."""
+    """Train until ``budget_tokens`` target/drafter forward tokens are spent; save the head (``head/``; a
+    distilled drafter: ``drafter/``, a model folder) and the metrics."""
     torch.manual_seed(recipe.seed)
+    torch.set_flush_denormal(True)  # denormals in CPU kernels are several times slower
     models = _Models(recipe)
     tokenizer = load_tokenizer(Path(recipe.target) / "tokenizer.json")
     optimizer = torch.optim.AdamW(models.head.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay)
@@ -371,19 +422,23 @@ def train_head(recipe: HeadRecipe, output: Path, log=print) -> dict:
     summary = {"recipe": asdict(recipe), "steps": step, "forward_tokens": models.tokens, "train_wall_s": wall,
                "heldout": evals, "history": history}
     log(json.dumps({"steps": step, "train_wall_s": round(wall, 1), "heldout": evals}))
-    save_head(models.head, output / "head")
+    if recipe.kind == "drafter":  # a model folder ar_spec (drafter=) and dllm.load take as it is
+        models.drafter.save_pretrained(output / "drafter")
+        shutil.copyfile(Path(recipe.drafter) / "tokenizer.json", output / "drafter" / "tokenizer.json")
+    else:
+        save_head(models.head, output / "head")
     (output / "metrics.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="dllm train --recipe eagle-head|dflash-head|repair-head",
+    parser = argparse.ArgumentParser(prog="dllm train --recipe eagle-head|dflash-head|repair-head|distill-drafter",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", help="TOML file of HeadRecipe keys")
-    parser.add_argument("--output", required=True, help="run folder: head/, metrics.json")
+    parser.add_argument("--output", required=True, help="run folder: head/ (distill-drafter: drafter/), metrics.json")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a key (TOML syntax), e.g. --set objective='tv'")
-    parser.add_argument("--kind", choices=KINDS, help="set by the recipe name")
+    parser.add_argument("--kind", choices=RECIPE_KINDS, help="set by the recipe name")
     parser.add_argument("--eval-untrained", action="store_true",
                         help="only measure a fresh head's held-out acceptance (a repair head: the plain marginals)")
     args = parser.parse_args(argv)
@@ -428,3 +483,8 @@ def dflash_main(argv: list[str]) -> int:
 def repair_main(argv: list[str]) -> int:
     """``--recipe repair-head``."""
     return main([*argv, "--kind", "repair"])
+
+
+def drafter_main(argv: list[str]) -> int:
+    """``--recipe distill-drafter``."""
+    return main([*argv, "--kind", "drafter"])

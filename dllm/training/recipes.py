@@ -19,6 +19,7 @@ RECIPES: dict[str, str] = {
     "eagle-head": "dllm.training.ar_heads:eagle_main",
     "dflash-head": "dllm.training.ar_heads:dflash_main",
     "repair-head": "dllm.training.ar_heads:repair_main",
+    "distill-drafter": "dllm.training.ar_heads:drafter_main",  # the diffusion drafter's own weights, for ar_spec
 }
 
 

@@ -21,7 +21,8 @@ far and trains on everything rolled (states
 closer to the trained head's own). Held out: problems 64-127 of the held-out set (``--heldout``), rolled the same ways
 with the stored query logits, per-slot acceptance of head vs those logits (argmax agreement at T=0, sum
 min(p, q) at T=1) and the expected accepted drafts per window. The head and ``train.json`` are saved after
-every round.
+every round. ``--init`` continues a saved head (its rounds rolled with it from the first), with ``--seed``
+choosing fresh problems.
 """
 
 from __future__ import annotations
@@ -180,6 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--objective", choices=("ce", "tv"), default="tv")
     parser.add_argument("--dim", type=int, default=128, help="head width")
     parser.add_argument("--layers", type=int, default=1, help="head layers (causal over the window's steps)")
+    parser.add_argument("--init", help="a two-stream head folder to continue (its shape replaces --dim/--layers); "
+                        "round 1 then rolls with it, on-policy from the start")
+    parser.add_argument("--seed", type=int, default=0, help="training-stream and rollout seed (a continued head "
+                        "takes another one, so its rounds see new problems)")
     parser.add_argument("--steps", type=int, default=1500, help="optimizer steps per round")
     parser.add_argument("--batch-size", type=int, default=256, help="windows per optimizer step")
     parser.add_argument("--lr", type=float, default=3e-3)
@@ -192,8 +197,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     for name, low in (("prompts", 2 * len(orders)), ("window", 1), ("rounds", 1), ("steps", 1), ("batch_size", 1),
-                      ("dim", 1),
-                      ("layers", 1), ("heldout", 1)):
+                      ("dim", 1), ("layers", 1), ("heldout", 1), ("seed", 0)):
         if getattr(args, name) < low:
             print(f"two-stream-head: --{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}",
                   file=sys.stderr)
@@ -209,20 +213,27 @@ def main(argv: list[str] | None = None) -> int:
         # As bench and eval prompt: the question formatted alone, no special tokens.
         return tokenizer([format_example(p["question"]) for p in problems], add_special_tokens=False)["input_ids"]
 
-    torch.manual_seed(0)
+    torch.manual_seed(args.seed)
     try:
-        config = DraftHeadConfig(vocab_size=model.vocab_size, backbone_dim=model.config.dim, dim=args.dim,
-                                 n_layers=args.layers, mask_token_id=model.mask_token_id, condition_first=True)
+        if args.init:
+            head = DraftHead.from_pretrained(args.init)
+            head.check_backbone(model.vocab_size, model.config.dim, name=args.init)
+            if not head.config.condition_first:
+                raise ValueError(f"{args.init} is a block-diffusion head (condition_first=False); a two-stream "
+                                 "model needs condition_first=True")
+        else:
+            head = DraftHead(DraftHeadConfig(vocab_size=model.vocab_size, backbone_dim=model.config.dim,
+                                             dim=args.dim, n_layers=args.layers, mask_token_id=model.mask_token_id,
+                                             condition_first=True))
     except ValueError as error:
-        print(f"two-stream-head: --dim/--layers: {error}", file=sys.stderr)
+        print(f"two-stream-head: {'--init' if args.init else '--dim/--layers'}: {error}", file=sys.stderr)
         return 2
-    head = DraftHead(config)
-    gen, start = torch.Generator().manual_seed(derive_seed(0, "two-stream-head")), time.time()
+    gen, start = torch.Generator().manual_seed(derive_seed(args.seed, "two-stream-head")), time.time()
     untrained = DraftHead(head.config).eval()  # zero correction: the marginals
     kinds = [(order, t) for order in orders for t in (0, 1)]
     held = {(order, t): collect(model, prompts(heldout_set()[64 : 64 + args.heldout]), untrained, window=args.window,
                                 temperature=float(t), generator=gen, order=order) for order, t in kinds}
-    stream = training_stream(derive_seed(0, "two-stream-head-data"))
+    stream = training_stream(derive_seed(args.seed, "two-stream-head-data"))
     data: list[RoundWindows] = []
     report = {}
     for round_index in range(args.rounds):
@@ -237,8 +248,10 @@ def main(argv: list[str] | None = None) -> int:
         rolled = time.time() - t0
         head.train()
         t1 = time.time()
+        # Seed 0 keeps the shipped head's batches (round r draws with seed r); others derive theirs.
+        order_seed = derive_seed(args.seed, "steps", round_index) if args.seed else round_index + 1
         losses = train_head(head, windows, args.objective, args.steps, args.batch_size, args.lr,
-                            torch.Generator().manual_seed(round_index + 1), model.mask_token_id,
+                            torch.Generator().manual_seed(order_seed), model.mask_token_id,
                             log=lambda line: print(line, flush=True))
         head.eval()
         acc = {f"{order} T{t}": acceptance(head, held[order, t], greedy=t == 0) for order, t in kinds}
@@ -250,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
         folder = Path(args.output)
         head.save_pretrained(folder)
         (folder / "train.json").write_text(json.dumps({
-            "model": args.model, "objective": args.objective, "dim": args.dim, "layers": args.layers,
+            "model": args.model, "init": args.init, "seed": args.seed, "objective": args.objective,
+            "dim": head.config.dim, "layers": head.config.n_layers,
             "window": args.window, "orders": list(orders), "prompts_per_round": args.prompts,
             "rounds_done": round_index + 1, "rounds": args.rounds, "steps_per_round": args.steps,
             "batch_size": args.batch_size, "lr": args.lr,
