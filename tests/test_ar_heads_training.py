@@ -200,3 +200,13 @@ def test_a_dflash_head_warm_starts_from_an_eagle_head(backbones, tmp_path):
     save_head(dflash, tmp_path / "d")
     with pytest.raises(ValueError, match="init=.*is a 'dflash' head"):  # no way back to an EAGLE head
         _Models(replace(recipe, init=str(tmp_path / "d")))
+
+
+@pytest.mark.parametrize("name, kind", [("eagle_head", "eagle"), ("dflash_head", "dflash"),
+                                        ("repair_head", "repair"), ("distill_drafter", "drafter")])
+def test_shipped_recipe_configs_are_valid_recipes(name, kind):
+    import tomllib
+
+    values = tomllib.loads((Path(__file__).resolve().parents[1] / "configs" / f"{name}.toml").read_text())
+    recipe = replace(HeadRecipe(), **values, kind=kind)  # unknown keys or bad values raise
+    assert recipe.budget_tokens > 0 and recipe.objective in ("ce", "tv", "opd")
