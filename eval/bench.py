@@ -6,8 +6,9 @@
     dllm bench --cost-model --results runs/bench/results.json --output runs/bench   # see dllm.eval.cost_model
 
 A configuration is ``key=value`` pairs separated by ``;`` (or a ``[[run]]`` table in a TOML file):
-``name``, ``model`` (an alias: ``ar``, ``diffusion``, ``drafter`` are the shipped models, ``--model
-ALIAS=PATH`` adds or replaces one; or a folder), ``sampler``, and optionally ``temperature`` (default
+``name``, ``model`` (an alias: ``ar``, ``diffusion``, ``drafter``, ``two_stream``, ``ar_diffusion_drafter``
+are the shipped models, ``--model ALIAS=PATH`` adds or replaces one; or a folder), ``sampler``, and
+optionally ``temperature`` (default
 ``--temperature``) and ``tokens_per_step`` (llada/dream: steps = max_new_tokens / tokens_per_step). Every
 other key is a sampler option (``dllm.samplers.SAMPLERS``); ar_spec's ``drafter`` is ``ngram`` or a model.
 Diffusion samplers default ``block_length`` to the model's ``block_size`` (so the exact block cache applies).
@@ -62,7 +63,8 @@ from dllm.samplers import SAMPLERS, typed_options
 from dllm.stats import EntropyAcceptance
 
 SHIPPED = Path(dllm.__file__).resolve().parent / "weights"
-DEFAULT_MODELS = {name: str(SHIPPED / name) for name in ("ar", "diffusion", "drafter", "two_stream")}
+DEFAULT_MODELS = {name: str(SHIPPED / name) for name in ("ar", "diffusion", "drafter", "two_stream",
+                                                         "ar_diffusion_drafter")}
 HARNESS_KEYS = ("name", "model", "sampler", "temperature", "tokens_per_step")
 
 # Every sampler family on the shipped models; all greedy except where a temperature is given.

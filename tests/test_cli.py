@@ -54,12 +54,24 @@ def test_generate_trace_html(checkpoints, tmp_path, capsys):
     assert path.exists() and "<table" in path.read_text()
 
 
-def test_ar_spec_default_drafts_with_the_shipped_diffusion_model(capsys):
+def test_ar_spec_default_drafts_with_the_shipped_diffusion_model(capsys, monkeypatch):
+    import dllm.cli as cli
+
+    loaded = []
+    real_load = cli._load
+
+    def recording_load(path, flag, *rest):
+        loaded.append((flag, path))
+        return real_load(path, flag, *rest)
+
+    monkeypatch.setattr(cli, "_load", recording_load)
     assert main(["generate", "Tom has 3 apples and buys 4 more.", "--sampler", "ar_spec", "--max-new-tokens", "16",
                  "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["options"]["num_draft_tokens"] == 8 and out["exact"] is True
     assert out["stats"]["nfe_draft"] == out["stats"]["nfe"]  # one drafter call per round: the diffusion model
+    # the shipped diffusion model distilled toward the AR target (its card: fewer rounds at the same cost)
+    assert ("--drafter", str(cli.DEFAULTS["ar_diffusion_drafter"])) in loaded
 
 
 def test_bad_input_is_one_line_naming_the_parameter(capsys):

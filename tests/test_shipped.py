@@ -28,7 +28,7 @@ DIFFUSION_OPTIONS = {
 
 @pytest.fixture(scope="module")
 def models():
-    return {name: dllm.load(WEIGHTS / name) for name in ("ar", "diffusion", "drafter")}
+    return {name: dllm.load(WEIGHTS / name) for name in ("ar", "diffusion", "drafter", "ar_diffusion_drafter")}
 
 
 def test_every_sampler_on_the_shipped_models(models):
@@ -42,7 +42,8 @@ def test_every_sampler_on_the_shipped_models(models):
         options = {} if causal else {"block_length": 8, **DIFFUSION_OPTIONS[sampler]}
         drafters = [{}]
         if sampler == "ar_spec":
-            drafters = [{"drafter": d} for d in ("ngram", models["drafter"], models["diffusion"])]
+            drafters = [{"drafter": d} for d in ("ngram", models["drafter"], models["diffusion"],
+                                                 models["ar_diffusion_drafter"])]
         for extra in drafters:
             with torch.inference_mode():
                 out = dllm.generate(model, prompt, sampler=sampler, max_new_tokens=16, temperature=0.0,
@@ -61,3 +62,17 @@ def test_heldout_accuracy_floor(models, name, sampler, options, floor):
     with torch.inference_mode():
         result = heldout_accuracy(model, model.tokenizer, sampler, limit=50, **options)
     assert result["accuracy"] >= floor, result["accuracy"]
+
+
+def test_the_distilled_drafter_keeps_ar_spec_the_targets_greedy_chain(models):
+    """dllm/weights/ar_diffusion_drafter (the diffusion model fine-tuned toward the AR target) changes speed
+    only: greedy ar_spec with it is ar's greedy chain token for token, with fewer target calls than tokens."""
+    tokenizer = models["ar"].tokenizer
+    for problem in heldout_set()[:3]:
+        prompt = torch.tensor([tokenizer(format_example(problem["question"]), add_special_tokens=False)["input_ids"]])
+        with torch.inference_mode():
+            plain = dllm.generate(models["ar"], prompt, sampler="ar", max_new_tokens=32, temperature=0.0)
+            spec = dllm.generate(models["ar"], prompt, sampler="ar_spec", max_new_tokens=32, temperature=0.0,
+                                 drafter=models["ar_diffusion_drafter"], num_draft_tokens=8)
+        assert torch.equal(spec.sequences, plain.sequences)
+        assert spec.stats.nfe < spec.stats.new_tokens
