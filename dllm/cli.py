@@ -255,9 +255,10 @@ def _drafter(args, model):
         return _load(args.drafter, "--drafter", "auto", args.device, args.dtype)
     # With the shipped AR model, the shipped diffusion model distilled toward it drafts (README, "ar_spec
     # heads": the same cost per round as the plain diffusion model, fewer rounds); the plain one if absent.
-    for shipped in (DEFAULTS["ar_diffusion_drafter"], DEFAULTS["diffusion"]):
-        if args.model is None and shipped.exists():
-            return _load(str(shipped), "--drafter", "auto", args.device, args.dtype)
+    if args.model is None:
+        for shipped in (DEFAULTS["ar_diffusion_drafter"], DEFAULTS["diffusion"]):
+            if shipped.exists():
+                return _load(str(shipped), "--drafter", "auto", args.device, args.dtype)
     return "ngram"
 
 

@@ -161,9 +161,10 @@ class _Models:
                 self.head = dflash_from_eagle(self.head, recipe.layers)
             self.head.train()
 
-    def call(self, model, input_ids, **kwargs):
+    def call(self, model, input_ids, grad: bool = False, **kwargs):
+        """(logits, features) of ``model``, its fed tokens counted in the budget; ``grad``: with gradient."""
         self.tokens += int(kwargs["attention_mask"].sum()) if "attention_mask" in kwargs else input_ids.numel()
-        with torch.no_grad():
+        with torch.set_grad_enabled(grad):
             return model(input_ids, return_hidden=True, **kwargs)
 
 
@@ -199,11 +200,7 @@ def _drafter_outputs(models: _Models, input_ids, prompt_lens, rows, starts, widt
     known = torch.arange(size)[None, :] < starts[:, None]
     canvas = torch.where(known, data, models.drafter.mask_token_id)
     mask = (torch.arange(size)[None, :] < ends[:, None]).long()
-    if grad:
-        models.tokens += int(mask.sum())
-        logits, features = models.drafter(canvas, attention_mask=mask, block_offset=offset, return_hidden=True)
-    else:
-        logits, features = models.call(models.drafter, canvas, attention_mask=mask, block_offset=offset)
+    logits, features = models.call(models.drafter, canvas, grad, attention_mask=mask, block_offset=offset)
     at = torch.arange(len(rows))
     logits = forbid_token(_window(logits, at, starts, width), models.drafter.mask_token_id)  # as ar_spec drafts
     return logits[..., : models.target.vocab_size], _window(features, at, starts, width)
