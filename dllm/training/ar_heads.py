@@ -206,11 +206,6 @@ def _drafter_outputs(models: _Models, input_ids, prompt_lens, rows, starts, widt
     return logits[..., : models.target.vocab_size], _window(features, at, starts, width)
 
 
-def _repair_features(models: _Models, input_ids, prompt_lens, rows, starts, width: int) -> torch.Tensor:
-    """The diffusion drafter's features at the draft positions (``_drafter_outputs``) -> [R, width, D]."""
-    return _drafter_outputs(models, input_ids, prompt_lens, rows, starts, width)[1]
-
-
 def offline_loss(models: _Models, recipe: HeadRecipe, batch, prompt_lens, generator) -> torch.Tensor:
     """``ce`` / ``tv``: teacher-forced loss on the data (module docstring)."""
     logits, features = models.call(models.target, batch.input_ids, attention_mask=batch.attention_mask)
@@ -233,7 +228,7 @@ def offline_loss(models: _Models, recipe: HeadRecipe, batch, prompt_lens, genera
     if recipe.kind == "drafter":
         head_logits = _drafter_outputs(models, ids, prompt_lens, rows, starts, k, grad=True)[0]
     else:
-        feats = _repair_features(models, ids, prompt_lens, rows, starts, k)
+        feats = _drafter_outputs(models, ids, prompt_lens, rows, starts, k)[1]
         previous = _window(ids, rows, starts - 1, k)  # the confirmed token, then the data's drafts
         head_logits = repair_unroll(models.head, models.drafter, feats, previous)[..., : models.target.vocab_size]
     target = _reachable(models, _window(logits, rows, starts - 1, k))
@@ -279,7 +274,7 @@ def _rollout(models: _Models, recipe: HeadRecipe, prefixes: list[list[int]], pro
         drafts = _draw(logits.detach().reshape(-1, vocab), generator).reshape(len(rows), k)
         steps = list(logits.unbind(1))
     else:
-        feats = _repair_features(models, seq, prompt_lens, rows, lengths, k)
+        feats = _drafter_outputs(models, seq, prompt_lens, rows, lengths, k)[1]
         embed = models.drafter.tok_embeddings
         state, token = torch.zeros_like(feats[:, 0]), last
         for j in range(k):
