@@ -103,6 +103,27 @@ def sample_from_logits(logits: torch.Tensor, temperature: float, generator: torc
     return gumbel_argmax(logits.float() / temperature, generator)
 
 
+def sample_more(logits: torch.Tensor, taken: torch.Tensor, count: int, temperature: float,
+                generator: torch.Generator) -> torch.Tensor:
+    """``count`` more draws per row of ``logits`` [N, V] without replacement, after ``taken`` [N] was drawn
+    -> [N, count] long, -1 where the law has no token left (forbidden tokens are never drawn).
+
+    Draw i is distributed as softmax(logits / T) with ``taken`` and draws 0..i-1 removed and renormalised
+    (the Gumbel-top-k race, Kool et al. 2019); T = 0 takes the next-highest logits, ties to the lower id.
+    """
+    scores = logits.double()
+    if temperature > 0 and scores.shape[0]:
+        scores = scores / temperature
+        chunk = max(1, NOISE_CHUNK_ELEMENTS // max(scores.shape[1], 1))
+        scores = torch.cat([part + gumbel(bind_rows(generator, torch.arange(start, start + part.shape[0])),
+                                          tuple(part.shape), part.device)
+                            for start, part in zip(range(0, scores.shape[0], chunk), scores.split(chunk))])
+    scores = torch.where(torch.isneginf(logits), float("-inf"), scores)  # u = 0 noise aside, never drawn
+    scores = scores.scatter(1, taken[:, None], float("-inf"))
+    values, order = torch.sort(scores, dim=1, descending=True, stable=True)
+    return torch.where(torch.isneginf(values[:, :count]), -1, order[:, :count])
+
+
 def sample_from_probs(weights: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One index per row of non-negative ``weights`` [N, V] (need not sum to 1) -> [N]."""
     return gumbel_argmax(torch.log(weights.double()), generator)

@@ -122,6 +122,8 @@ class Capabilities:
     structured_verify: bool = False
     native_loop: bool = False  # native_loop(): the checkpoint's own loop
     hidden_states: bool = False  # forward(..., return_hidden=True) -> (logits, features [B, L, D]) (draft heads)
+    # forward_cached(..., position_ids=, tree_mask=[N, n, n] bool): a causal model verifies a draft tree in one call
+    tree_attention: bool = False
     reveal_order_cache: bool = False  # streams(): revealed tokens cached in reveal order (dllm/models/two_stream.py)
     one_pass_exact: bool = False  # one call's window conditionals are the sequential chain's (fef exact in one pass)
     # (sampler, option, value, when): the settings measured fastest on this model, used where the caller

@@ -21,6 +21,17 @@ Layout of ``target_probs`` [B, K or K + 1, V]: row j < n_b is the target for dra
 bonus row of row b (so ragged rows keep their bonus at index n_b, not K). With K + 1 rows every row has
 a bonus unless ``has_bonus`` says otherwise; with K rows no row has one.
 
+Trees (``verify_tree_logits``): at each depth j the chain's draft d_j is candidate 0, and A more
+candidates (leaves, siblings of d_j) were drawn from the same draft law without replacement. Candidate i
+is tested with the chain rule against the current target p_i, its proposal q_i being the draft law with
+candidates 0..i-1 removed and renormalised (the law it was drawn from); a rejection moves the target to
+normalize(max(0, p_i - q_i)) (Chen et al. 2023's recursive rejection sampling, SpecInfer's multi-step
+verification, here without replacement). Each step is one exact speculative-sampling step, so the token
+emitted at depth j is distributed as p_0 = target_j whatever the candidates: d_j continues the chain, an
+alternative ends it and its leaf row (the target after it) gives one more token, and when every
+candidate is rejected the last residual gives the correction. Greedy mode takes the first candidate equal
+to the target's argmax. With A = 0 the tree rule is the chain rule (the same function is called).
+
 ``verify_probs`` is the one definition of the rule. ``verify_logits_reference`` applies it to
 softmax(logits / T) (float32, ``dllm.numerics.softmax``); the fused Triton kernel in
 ``verify_triton.py`` computes the same from logits without materialising probabilities, and
@@ -53,7 +64,10 @@ class VerifyResult:
 
     tokens: torch.Tensor  # [B, K + 1] accepted drafts, then the correction/bonus; -1 after the last
     num_emitted: torch.Tensor  # [B] tokens emitted (accepted + 1 when a correction/bonus was drawn)
-    num_accepted: torch.Tensor  # [B] accepted drafts
+    num_accepted: torch.Tensor  # [B] accepted drafts (a tree's accepted alternative included)
+    # tree verification (``verify_tree_logits``): [B] the alternative accepted at the last accepted depth
+    # (1 .. A; its leaf row gave the next token), 0 where the chain's own drafts were; None for a chain
+    branch: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -230,6 +244,102 @@ def _draw_extra(
         use_residual = rejected & (residual.sum(-1) > 0)
         weights = torch.where(use_residual[:, None], residual, weights)
     return (torch.log(weights.double()) + noise.residual(rows, weights.shape[-1], weights.device)).argmax(-1)
+
+
+def verify_tree_logits(
+    draft_tokens: torch.Tensor,  # [B, K] the chain's drafts (candidate 0 of each depth)
+    alternatives: torch.Tensor,  # [B, K, A] further candidates per depth, drawn without replacement; -1: none
+    draft_logits: torch.Tensor,  # [B, K, V] the law every candidate of depth j was drawn from
+    target_logits: torch.Tensor,  # [B, K or K + 1, V] the target after each chain prefix (row n_b: bonus)
+    leaf_logits: torch.Tensor,  # [B, K, A, V] the target after chain prefix d_<j and alternative (j, a)
+    num_drafts: torch.Tensor | None = None,  # [B] valid depths per row (default K)
+    *,
+    temperature: float,  # 0: greedy
+    has_bonus: torch.Tensor | None = None,  # [B] bool; default: True iff target has K + 1 rows
+    noise: Noise,
+) -> VerifyResult:
+    """Verify a draft tree: the chain d_0..d_{K-1} plus, at each depth j, A sibling leaves (module docstring).
+
+    With A = 0 this is the chain rule itself (``verify_logits``, the kernel where it applies); with A > 0
+    the torch reference of the recursive rule. ``branch`` says which alternative, if any, was accepted.
+    """
+    check_temperature(temperature)
+    if alternatives.shape[-1] == 0:
+        return verify_logits(draft_tokens, draft_logits, target_logits, num_drafts, temperature=temperature,
+                             has_bonus=has_bonus, noise=noise)
+    batch, width = draft_tokens.shape
+    device = draft_tokens.device
+    num_drafts, has_bonus = normalise_counts(draft_tokens, target_logits, num_drafts, has_bonus)
+    candidates = torch.cat([draft_tokens[..., None], alternatives], dim=-1)  # [B, K, M]
+    live = (candidates >= 0) & (torch.arange(width, device=device) < num_drafts[:, None])[..., None]
+    safe = candidates.clamp(min=0)
+    greedy = temperature == 0
+    if greedy:  # accepted: the first candidate equal to the target's argmax
+        hit = live & (safe == target_logits[:, :width].argmax(-1, keepdim=True))
+        picked = torch.where(hit.any(-1), hit.float().argmax(-1), -1)  # [B, K]
+        residual = target_logits[:, :width]
+    else:
+        picked, residual = _recursive_accept(safe, live, softmax(draft_logits, temperature).double(),
+                                             softmax(target_logits[:, :width], temperature).double(),
+                                             noise.acceptance(batch, width * candidates.shape[-1], device))
+    chain = (picked == 0) & live[..., 0]
+    num_chain = chain.long().cumprod(dim=1).sum(dim=1)  # [B]
+    rows = torch.arange(batch, device=device)
+    at = num_chain.clamp(max=width - 1)
+    rejected = num_chain < num_drafts  # the chain stopped at depth ``at``
+    branch = torch.where(rejected, picked[rows, at].clamp(min=0), 0)  # an alternative taken there
+    took = branch > 0
+    num_accepted = num_chain + took.long()
+    extra = rejected | has_bonus  # rows that draw a correction, a token after the alternative, or a bonus
+
+    tokens = torch.full((batch, width + 1), -1, dtype=torch.long, device=device)
+    tokens[:, :width] = torch.where(torch.arange(width, device=device) < num_chain[:, None], draft_tokens,
+                                    tokens[:, :width])
+    tokens[rows[took], at[took]] = candidates[rows[took], at[took], branch[took]]
+    # The last token's law: the leaf after an accepted alternative, the residual left after a depth's
+    # candidates were all rejected, or the bonus row after a full chain.
+    last = torch.where(took, at + 1, num_chain)
+    need = extra.nonzero().squeeze(-1)
+    if need.numel():
+        leaf = leaf_logits[need, at[need], (branch[need] - 1).clamp(min=0)]
+        bonus = target_logits[need, num_chain[need].clamp(max=target_logits.shape[1] - 1)]
+        if greedy:
+            law = torch.where(took[need, None], leaf, torch.where(rejected[need, None], residual[need, at[need]],
+                                                                   bonus)).argmax(-1)
+        else:
+            weights = torch.where(took[need, None], softmax(leaf, temperature).double(),
+                                  torch.where(rejected[need, None], residual[need, at[need]],
+                                              softmax(bonus, temperature).double()))
+            law = (torch.log(weights) + noise.residual(need, weights.shape[-1], weights.device)).argmax(-1)
+        tokens[need, last[need]] = law
+    return VerifyResult(tokens=tokens, num_emitted=num_accepted + extra.long(), num_accepted=num_accepted,
+                        branch=branch)
+
+
+def _recursive_accept(candidates: torch.Tensor, live: torch.Tensor, draft: torch.Tensor, target: torch.Tensor,
+                      uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recursive rule at every depth at once: candidates, live [B, K, M], draft and target laws [B, K, V]
+    (float64), uniforms [B, K * M] -> (the accepted candidate's index per depth [B, K], -1: none; the
+    residual law left after the rejected ones [B, K, V])."""
+    picked = torch.full(candidates.shape[:2], -1, dtype=torch.long, device=candidates.device)
+    uniforms = uniforms.view(candidates.shape)
+    free = draft.clone()  # the proposal's mass not yet drawn: candidate i's law is free / free.sum()
+    for i in range(candidates.shape[-1]):
+        token = candidates[..., i : i + 1]
+        testing = live[..., i] & (picked < 0)
+        mass = free.sum(-1, keepdim=True)
+        proposal = free / mass.clamp(min=torch.finfo(free.dtype).tiny)
+        q, p = proposal.gather(-1, token)[..., 0], target.gather(-1, token)[..., 0]
+        accept = testing & (q > 0) & (uniforms[..., i] * q < p)  # the chain rule's test, no division
+        picked = torch.where(accept, i, picked)
+        rest = (target - proposal).clamp(min=0)
+        rest_mass = rest.sum(-1, keepdim=True)
+        # Rejected: the next candidate is tested against the normalised residual; zero residual mass means
+        # target == proposal up to rounding, where rejection had probability ~0 (the chain rule's fallback).
+        move = (testing & ~accept)[..., None] & (rest_mass > 0)
+        target = torch.where(move, rest / rest_mass.clamp(min=torch.finfo(rest.dtype).tiny), target)
+        free = torch.where(live[..., i : i + 1], free.scatter(-1, token, 0.0), free)
+    return picked, target
 
 
 def normalise_counts(

@@ -25,6 +25,14 @@ Each is a ``Drafter`` object (``samplers/drafters.py``, which says how to add on
 ``drafter`` option; the loop calls only its ``propose`` and ``rollback``. The shared verification
 (``samplers/verify.py``) makes the output distributed exactly as ``ar`` at the same temperature.
 
+``draft_candidates`` (c > 1): a draft tree. At every depth j the chain's draft d_j and c - 1 further
+candidates drawn without replacement from the law d_j was drawn from (``more_candidates``: the drafter's
+logits; point-mass drafters have none to give); the alternatives are leaves, verified in the same call
+at d_j's position, each seeing the chain before it (``tree_mask``, ``Capabilities.tree_attention``).
+The recursive rule (``dllm.kernels.verify``: each rejected candidate leaves a residual the next one is
+tested against) keeps the law exact; an accepted alternative ends the round and its leaf row gives one
+more token. A target call then feeds K (c - 1) more tokens: trees trade compute per call for calls.
+
 No call reads past position prompt + max_new_tokens - 2, the last input ``ar`` feeds: a draft there
 would leave no room for the bonus token, so it is never verified (drafts past that point are
 placeholders that ``num_drafts`` excludes). ``ar_spec`` therefore fits any context ``ar`` fits.
@@ -36,13 +44,21 @@ import warnings
 
 import torch
 
-from dllm.numerics import bind_rows, sample_from_logits
+from dllm.numerics import bind_rows, positions_from_mask, sample_from_logits
 from dllm.protocols import capabilities, has_cache, is_diffusion_model, rolls_back
 from dllm.stats import DecodeStats, StepEvent
 from dllm.stops import emitted_until_stop, fill_token, is_stop
 
-from .canvas import Caller
-from .drafters import CausalDrafter, DiffusionDrafter, DraftContext, Drafter, NgramDrafter, append_at_lengths
+from .canvas import Caller, check_logits
+from .drafters import (
+    CausalDrafter,
+    DiffusionDrafter,
+    DraftContext,
+    Drafter,
+    NgramDrafter,
+    append_at_lengths,
+    more_candidates,
+)
 from .head_drafters import head_drafter
 from .verify import Noise, rejection_sample
 
@@ -81,10 +97,13 @@ def ar(
 
 def ar_spec(
     model, prompt, gen_length, *, temperature, generator, stats: DecodeStats, drafter="ngram",
-    num_draft_tokens=4, max_ngram=3, draft_head=None, draft_confidence=None, cache="auto", attention_mask=None,
-    eos_token_id=None, callback=None,
+    num_draft_tokens=4, max_ngram=3, draft_head=None, draft_confidence=None, draft_candidates=1, cache="auto",
+    attention_mask=None, eos_token_id=None, callback=None,
 ) -> torch.Tensor:
-    """Speculative decoding against the causal target ``model`` -> [B, P + N]."""
+    """Speculative decoding against the causal target ``model`` -> [B, P + N].
+
+    ``draft_candidates`` > 1 verifies a draft tree: at every depth the chain's draft and that many - 1
+    further candidates drawn without replacement from the same draft law (``_tree_rows``)."""
     batch, prompt_len = prompt.shape
     total = prompt_len + gen_length
     seq = _buffer(prompt, gen_length, eos_token_id)
@@ -105,17 +124,18 @@ def ar_spec(
                                  DraftContext(rows, num_drafts, temperature, generator, model.vocab_size,
                                               *(context or (None, None))))
         drafts, num_drafts = draft.tokens, draft.count
-        target = _target_rows(caller, kv, seq[rows], rows, length, drafts, proposer.wants_features)  # [R, K + 1, V]
-        if proposer.wants_features:
-            target, (fed, start) = target
-            if features is None:
-                features = fed.new_zeros((batch, total, fed.shape[-1]))
-            # Every fed position's feature is written; those up to each row's new length - 2 held final
-            # tokens when fed, later ones are rewritten next round (the cache rolls back to before them).
-            width = min(fed.shape[1], total - start)
-            features[rows[:, None], start + torch.arange(width, device=seq.device)] = fed[:, :width]
+        tree = {}
+        if draft_candidates > 1:  # the tree's other candidates, and the target after each of them
+            alternatives = more_candidates(draft, draft_candidates - 1, temperature, generator, rows)
+            target, leaves, fed = _tree_rows(caller, kv, seq[rows], rows, length, drafts, alternatives,
+                                             proposer.wants_features)
+            tree = {"alternatives": alternatives, "leaf_logits": leaves}
+        else:
+            target, fed = _target_rows(caller, kv, seq[rows], rows, length, drafts, proposer.wants_features)
         outcome = rejection_sample(drafts, draft.logits, target, num_drafts, temperature=temperature,
-                                   noise=Noise(generator=bind_rows(generator, rows)))
+                                   noise=Noise(generator=bind_rows(generator, rows)), **tree)
+        if fed is not None:
+            features = _keep_features(features, fed, rows, length, (batch, total), outcome)
         stats.count_verification(num_drafts, outcome.num_accepted, outcome.num_emitted)
         emitted, stopped = emitted_until_stop(outcome.tokens, outcome.num_emitted, eos_token_id)
         offsets = torch.arange(outcome.tokens.shape[1], device=seq.device)
@@ -125,11 +145,14 @@ def ar_spec(
         if callback is not None:
             callback(StepEvent("ar_spec", rows, seq[rows], drafts=drafts, num_drafts=num_drafts,
                                num_accepted=outcome.num_accepted, target_logits=target))
+        # Tokens every row holds for sure and the caches may keep: those before the last emitted one; after an
+        # accepted alternative, before it (the caches hold the chain's draft at its position).
+        held = lengths[rows] - 1 - (outcome.branch > 0).long() if outcome.branch is not None else lengths[rows] - 1
         keep = (lengths[rows] < total) & ~stopped
         rows = rows[keep]
         if rows.numel():
             kept = None if bool(keep.all()) else keep.nonzero().squeeze(-1)
-            accepted = int(lengths[rows].min()) - 1  # tokens every row holds for sure (drafts match before)
+            accepted = int(held[keep].min())
             if kv is not None:
                 kv = kv if kept is None else kv.select(kept)
                 kv.crop(accepted)
@@ -200,8 +223,9 @@ def _make_drafter(drafter, caller: Caller, cache: str, max_ngram: int, prompt_le
 
 
 def _target_rows(caller: Caller, kv, seq, rows, length, drafts, hidden=False):
-    """Target logits for each draft position and the bonus: one call on sequence + drafts -> [R, K + 1, V]
-    (``hidden``: and (the target's features at every position fed [R, L, D], the first one's position)).
+    """Target logits for each draft position and the bonus: one call on sequence + drafts -> ([R, K + 1, V],
+    ``hidden``: (the target's features at every position fed [R, L, D], the first one's position, None);
+    else None).
 
     With a cache holding [0, c), only tokens from c on are fed (each row's unverified tail and drafts).
     Inputs stop at position total - 2 (see the module docstring); rows past it repeat the last one.
@@ -217,7 +241,69 @@ def _target_rows(caller: Caller, kv, seq, rows, length, drafts, hidden=False):
                             append=True, **extra)
     at = length[:, None] - 1 - start + torch.arange(width + 1, device=seq.device)  # position t predicts t + 1
     index = (torch.arange(seq.shape[0], device=seq.device)[:, None], at.clamp(max=extended.shape[1] - start - 1))
-    return (out[0][index], (out[1], start)) if hidden else out[index]
+    return (out[0][index], (out[1], start, None)) if hidden else (out[index], None)
+
+
+def _tree_rows(caller: Caller, kv, seq, rows, length, drafts, alternatives, hidden=False):
+    """A draft tree's target logits in one call -> ([R, K + 1, V] after each chain prefix, as ``_target_rows``;
+    [R, K, A, V] after each alternative; ``hidden``: (chain features, their first position, the alternatives'
+    features [R, K, A, D]), else None).
+
+    The inputs are the chain's (as ``_target_rows``), then the K x A alternatives: alternative (j, a) sits
+    at d_j's position and sees the prefix and d_<j only (``tree_mask``), so its logits are the target
+    after it. Without a cache the call fills a fresh one (the same logits), since the tree's mask is a
+    cached call's. The alternatives' cache entries lie past the chain's, where the round's crop drops them.
+    """
+    n_rows, width = drafts.shape
+    count = alternatives.shape[1] * alternatives.shape[2]
+    device = seq.device
+    extended = append_at_lengths(seq, length, drafts)[:, : min(int(length.max()) + width, seq.shape[1] - 1)]
+    cache = kv if kv is not None else caller.model.new_cache()
+    start, columns = cache.length, extended.shape[1]
+    real = torch.ones_like(extended, dtype=torch.bool)
+    if caller.attention_mask is not None:
+        real = caller.attention_mask[rows, :columns].bool()
+    positions = positions_from_mask(real)  # [R, columns], the model's own position ids
+    depth_at = (length[:, None] + torch.arange(width, device=device)).clamp(max=columns - 1)  # d_j's column
+    leaf_at = depth_at.repeat_interleave(alternatives.shape[2], dim=1)  # [R, K A]
+    chain_cols = torch.arange(start, columns, device=device)
+    sees_chain = torch.cat([
+        (chain_cols[:, None] >= chain_cols[None, :]).expand(n_rows, -1, -1),  # the chain: causal
+        chain_cols[None, None, :] < leaf_at[:, :, None],  # an alternative: the chain before its position
+    ], dim=1) & real[:, None, start:]  # [R, n + K A, n]
+    sees_leaf = torch.cat([torch.zeros((columns - start, count), dtype=torch.bool, device=device),
+                           torch.eye(count, dtype=torch.bool, device=device)])  # alternatives see themselves
+    tree = torch.cat([sees_chain, sees_leaf.expand(n_rows, -1, -1)], dim=2)
+    inputs = torch.cat([extended[:, start:], alternatives.clamp(min=0).flatten(1)], dim=1)
+    caller.count(inputs, served=len(rows), cache=cache)
+    keys = torch.cat([real, real.new_ones((n_rows, count))], 1)  # padding over cached + new keys
+    out = caller.model.forward_cached(inputs, cache, attention_mask=keys, tree_mask=tree, append=True,
+                                      position_ids=torch.cat([positions[:, start:], positions.gather(1, leaf_at)], 1),
+                                      **({"return_hidden": True} if hidden else {}))
+    logits, features = check_logits(out, inputs) if hidden else (check_logits(out, inputs), None)
+    n = columns - start
+    at = length[:, None] - 1 - start + torch.arange(width + 1, device=device)  # position t predicts t + 1
+    target = logits[torch.arange(n_rows, device=device)[:, None], at.clamp(max=n - 1)]
+    leaves = logits[:, n:].unflatten(1, alternatives.shape[1:])
+    fed = (features[:, :n], start, features[:, n:].unflatten(1, alternatives.shape[1:])) if hidden else None
+    return target, leaves, fed
+
+
+def _keep_features(features, fed, rows, length, shape: tuple[int, int], outcome) -> torch.Tensor:
+    """Write a round's fed target features into ``features`` [B, total, D] (``shape`` (B, total); made on first
+    use): every chain
+    position's (those up to each row's new length - 2 held final tokens when fed, later ones are rewritten
+    next round, the cache rolling back to before them), and an accepted alternative's at its position."""
+    chain, start, leaves = fed
+    if features is None:
+        features = chain.new_zeros((*shape, chain.shape[-1]))
+    width = min(chain.shape[1], shape[1] - start)
+    features[rows[:, None], start + torch.arange(width, device=chain.device)] = chain[:, :width]
+    if leaves is not None:
+        took = (outcome.branch > 0).nonzero().squeeze(-1)
+        depth = outcome.num_accepted[took] - 1
+        features[rows[took], length[took] + depth] = leaves[took, depth, outcome.branch[took] - 1]
+    return features
 
 
 def _block_size(model) -> int | None:

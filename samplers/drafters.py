@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dllm.numerics import bind_rows, forbid_token, sample_from_logits
+from dllm.numerics import bind_rows, forbid_token, sample_from_logits, sample_more
 
 from .canvas import Caller
 
@@ -203,6 +203,18 @@ class StaleDrafts(MarginalDrafts):
             return source[:, :width]
         pad = source.new_zeros((source.shape[0], width - source.shape[1], source.shape[2]))
         return torch.cat([source, pad], dim=1)  # columns past the active block are never read
+
+
+def more_candidates(draft: Draft, count: int, temperature: float, generator, rows: torch.Tensor) -> torch.Tensor:
+    """``count`` more candidates per draft position, drawn without replacement from the law the draft itself
+    was drawn from, the draft removed -> [R, K, count] long (-1: the law has no token left; point-mass
+    drafts have none). Each row draws from its own generator stream (``bind_rows``), after its drafts."""
+    if draft.logits is None:
+        return torch.full((*draft.tokens.shape, count), -1, dtype=torch.long, device=draft.tokens.device)
+    logits = draft.logits.reshape(-1, draft.logits.shape[-1])
+    flat_rows = rows.repeat_interleave(draft.tokens.shape[1])
+    more = sample_more(logits, draft.tokens.reshape(-1), count, temperature, bind_rows(generator, flat_rows))
+    return more.view(*draft.tokens.shape, count)
 
 
 def independent_drafts(window_logits: torch.Tensor, mask_id: int, temperature: float,

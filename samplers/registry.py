@@ -281,6 +281,20 @@ def _check_draft_head(values: dict[str, Any], model) -> None:
                          f"with condition_first={two_stream}")
 
 
+def _check_tree(values: dict[str, Any], model) -> None:
+    """draft_candidates > 1 verifies a draft tree in one call: a target with tree attention and a drafter
+    whose drafts come from logits (the further candidates are drawn from them)."""
+    if values["draft_candidates"] == 1:
+        return
+    if not capabilities(model).tree_attention:
+        raise ValueError(f"draft_candidates={values['draft_candidates']} verifies a draft tree in one call, which "
+                         f"needs a target with tree attention (Capabilities.tree_attention: dllm's causal "
+                         f"TransformerLM); {type(model).__name__} has none: use draft_candidates=1")
+    if isinstance(values["drafter"], str) and values["drafter"] == "ngram":
+        raise ValueError("draft_candidates > 1 draws further candidates from the drafter's logits; the 'ngram' "
+                         "drafter proposes point masses: use a model or head drafter, or draft_candidates=1")
+
+
 def _check_drafter(values: dict[str, Any], model) -> None:
     """ar_spec's drafter: a name, a model sharing the target's token ids, or a ready Drafter object."""
     drafter = values["drafter"]
@@ -382,7 +396,8 @@ class ArSpecConfig(ArConfig):
     max_ngram: int = option(3, _int_at_least(1), "int")
     draft_head: Any = option(None, _no_check, "str")  # a head folder or module (samplers/head_drafters.py)
     draft_confidence: float | None = option(None, _number(0.0, 1.0, optional=True), "float")  # drafter="head"
-    CHECKS: ClassVar[tuple] = (_check_drafter,)
+    draft_candidates: int = option(1, _int_at_least(1), "int")  # > 1: a draft tree (samplers/ar.py)
+    CHECKS: ClassVar[tuple] = (_check_drafter, _check_tree)
 
 
 @dataclass(frozen=True)

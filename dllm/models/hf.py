@@ -357,6 +357,18 @@ class HFCache(SizedCache):
         return HFCache(self.config, select_rows(self.kv, rows), self.key_mask[rows])
 
 
+def _tree_mask_4d(keys: Tensor, tree: Tensor, past: int, dtype: torch.dtype) -> Tensor:
+    """transformers' custom 4-D additive mask for a draft tree: cached keys where ``keys`` [N, P + n] (0/1) is 1,
+    new keys where ``tree`` [N, n, n] is True, and every query its own key (a padding query stays finite).
+    # -> [N, 1, n, P + n]"""
+    n = tree.shape[1]
+    allowed = keys.bool()[:, None, :].expand(-1, n, -1).clone()
+    allowed[:, :, past:] &= tree
+    allowed[:, :, past:] |= torch.eye(n, dtype=torch.bool, device=tree.device)
+    return torch.zeros(allowed.shape, dtype=dtype, device=tree.device).masked_fill(
+        ~allowed, torch.finfo(dtype).min)[:, None]
+
+
 class CausalLMAdapter(_HFAdapter):
     """Any ``AutoModelForCausalLM`` (Llama, Qwen3, GPT-2, ...) as a CausalModel with an exact KV cache.
 
@@ -371,12 +383,16 @@ class CausalLMAdapter(_HFAdapter):
     def capabilities(self) -> Capabilities:
         """An exact KV cache that crops (a sliding-window one says so on the cache: ``croppable``), own generate."""
         return dataclasses.replace(super().capabilities, cache=True, cache_exact=self.cache_exact, cache_crop=True,
-                                   native_loop=True)
+                                   native_loop=True,
+                                   tree_attention=bool(self.accepts_attention_mask) and self._full_attention)
 
     def __init__(self, model, tokenizer=None):
         super().__init__(model, tokenizer)
         self.tokenizer_mask_token_id = getattr(tokenizer, "mask_token_id", None)
         self.accepts_attention_mask = _takes(model.forward, "position_ids")
+        # A draft tree's custom mask replaces every layer's own: only for models whose layers all attend fully
+        # (a sliding-window or linear-attention cache is the one that cannot crop).
+        self._full_attention = HFCache(model.config).croppable
         # transformers 5.2x renamed past_key_values to cache (the old name still works until 5.40).
         self._cache_arg = "cache" if _takes(model.forward, "cache") else "past_key_values"
 
@@ -450,11 +466,15 @@ class CausalLMAdapter(_HFAdapter):
         append: bool = True,
         attention_mask: Tensor | None = None,  # [N, cache.length + n] over cached + new keys
         block_offset: Tensor | None = None,
+        position_ids: Tensor | None = None,  # [N, n]; default: continue each row's count
+        tree_mask: Tensor | None = None,  # [N, n, n] bool: which new tokens each new token sees (a draft tree)
     ) -> Tensor:
         """Logits of new tokens after the cached prefix, positions continuing each row's count.  # [N, n, V]
 
         ``append`` grows ``cache`` by the new tokens; otherwise ``rows`` picks a cache row per input and the
         cache is left unchanged. Without ``attention_mask`` the cached keys keep the mask they were stored with.
+        ``tree_mask`` (``Capabilities.tree_attention``) with the tree's ``position_ids``: a custom 4-D mask,
+        cached keys as the padding mask says and the new ones as the tree says.
         """
         if block_offset is not None:
             raise ValueError("block_offset is for block-causal models; a causal LM has no blocks")
@@ -464,8 +484,14 @@ class CausalLMAdapter(_HFAdapter):
         padded = not bool(mask.all())
         if padded and not self.accepts_attention_mask:
             self._refuse_padding()
-        positions = positions_from_mask(mask)[:, past.length:]
-        logits = self.model(input_ids=input_ids, attention_mask=mask if padded else None, position_ids=positions,
+        positions = positions_from_mask(mask)[:, past.length:] if position_ids is None else position_ids.to(self.device)
+        model_mask = mask if padded else None
+        if tree_mask is not None:
+            if not self.capabilities.tree_attention:
+                raise ValueError(f"tree_mask: {type(self.model).__name__} takes no custom attention mask here "
+                                 "(Capabilities.tree_attention is False)")
+            model_mask = _tree_mask_4d(mask, tree_mask.to(self.device), past.length, self.model.dtype)
+        logits = self.model(input_ids=input_ids, attention_mask=model_mask, position_ids=positions,
                             use_cache=True, **{self._cache_arg: past.kv}).logits  # past.kv grows in place
         if append:
             cache.key_mask = mask

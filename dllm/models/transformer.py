@@ -482,7 +482,7 @@ class TransformerLM(nn.Module):
                             context_length=self.context_length,
                             block_size=self.config.block_size, cache=True, cache_exact=self.cache_exact,
                             cache_crop=True, cache_drop=True, commits_prefix=True, structured_verify=True,
-                            hidden_states=True)
+                            hidden_states=True, tree_attention=self.layout == "causal")
 
     @property
     def cache_exact(self) -> bool:
@@ -505,10 +505,12 @@ class TransformerLM(nn.Module):
         position_ids: Tensor | None = None,  # [N, n]; default: continue after the cache
         commit: int = 0,
         return_hidden: bool = False,
+        tree_mask: Tensor | None = None,  # [N, n, n] bool: which new tokens each new token sees (as ``forward``)
     ) -> Tensor | tuple[Tensor, Tensor]:
         """The protocol's cached call (dllm.protocols): new tokens against the cached prefix.  # [N, n, V]
 
         ``return_hidden``: also return the features the output projection reads (as ``forward``).
+        ``tree_mask`` with ``position_ids``: a draft tree in one call (``Capabilities.tree_attention``).
 
         ``commit`` (with ``rows``): the first ``commit`` tokens of every input are the same for all inputs
         of a cache row and never attend to the rest (a finished block before the active one, under
@@ -522,7 +524,8 @@ class TransformerLM(nn.Module):
             cache = cache.select(rows)
         new_mask = None if attention_mask is None else attention_mask[:, attention_mask.shape[1] - input_ids.shape[1]:]
         out = self.forward(input_ids, attention_mask=new_mask, position_ids=position_ids, cache=cache,
-                           use_cache=append or commit > 0, block_offset=block_offset, return_hidden=return_hidden)
+                           use_cache=append or commit > 0, block_offset=block_offset, return_hidden=return_hidden,
+                           tree_mask=tree_mask)
         if commit and rows is not None:
             _commit_rows(main, cache, rows, commit)
         return out
@@ -536,6 +539,7 @@ class TransformerLM(nn.Module):
         use_cache: bool = False,
         block_offset: int | Tensor = 0,  # int or [B]; block_causal only
         return_hidden: bool = False,
+        tree_mask: Tensor | None = None,  # [B, L, L] bool
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Logits at every input position, attending to ``cache`` (if given) then the inputs.  # [B, L, V]
 
@@ -548,6 +552,9 @@ class TransformerLM(nn.Module):
         state itself where p has no predecessor), as Dream's generation code shifts them.
         return_hidden: return ``(logits, features)``, features [B, L, dim] the final-normed states the output
         projection reads at each position (after any shift): what draft heads condition on.
+        tree_mask: which inputs each input may attend to (True = attend), replacing the layout among the
+        inputs while cached keys keep it, with a 2-D ``attention_mask`` still marking padding: a draft tree
+        (siblings at one position) verified in one call; pass the tree's ``position_ids``.
         """
         if use_cache and cache is None:
             raise ValueError("use_cache=True needs a cache to append to: pass cache=model.new_cache()")
@@ -555,7 +562,14 @@ class TransformerLM(nn.Module):
         if position_ids is None:
             start = cache.next_position()[:, None] if cache is not None and cache.length else 0
             position_ids = start + positions_from_mask(query_valid)
-        h = self._hidden(input_ids, position_ids, query_valid, explicit, cache, use_cache, block_offset)
+        if tree_mask is not None:
+            if explicit is not None:
+                raise ValueError("tree_mask takes a 2-D padding attention_mask, not an explicit 3-D/4-D mask")
+            if tree_mask.shape != (*input_ids.shape, input_ids.shape[1]) or tree_mask.dtype != torch.bool:
+                shape = [*input_ids.shape, input_ids.shape[1]]
+                raise ValueError(f"tree_mask must be a bool tensor [B, L, L] = {shape}, "
+                                 f"got {tree_mask.dtype} {list(tree_mask.shape)}")
+        h = self._hidden(input_ids, position_ids, query_valid, explicit, cache, use_cache, block_offset, tree_mask)
         if self.config.shift_logits:
             h = _previous_states(h, position_ids, query_valid, cache)
         if return_hidden:
@@ -563,9 +577,10 @@ class TransformerLM(nn.Module):
             return self._project(features), features
         return self.head(h)
 
-    def _hidden(self, input_ids, position_ids, query_valid, explicit, cache, use_cache, block_offset) -> Tensor:
+    def _hidden(self, input_ids, position_ids, query_valid, explicit, cache, use_cache, block_offset,
+                tree_mask=None) -> Tensor:
         """Last-layer states of the inputs (before the final norm), appended to ``cache`` if asked.  # [B, L, dim]"""
-        mask = self._attention_mask(position_ids, query_valid, explicit, cache, block_offset)
+        mask = self._attention_mask(position_ids, query_valid, explicit, cache, block_offset, tree_mask)
         h, new_kv = self.layer_states(input_ids, position_ids, mask, cache)
         if use_cache:
             cache.append(new_kv, position_ids, query_valid, h if self.config.shift_logits else None)
@@ -632,14 +647,18 @@ class TransformerLM(nn.Module):
         if position_ids.numel() and int(position_ids.max()) >= self.config.max_seq_len:
             raise ValueError(f"position {int(position_ids.max())} >= max_seq_len ({self.config.max_seq_len})")
 
-    def _attention_mask(self, position_ids, query_valid, explicit, cache, block_offset) -> Tensor:
-        """Layout (or explicit) mask over cached + new keys, minus padding keys.  # [B, 1, L, P + L] bool"""
+    def _attention_mask(self, position_ids, query_valid, explicit, cache, block_offset, tree_mask=None) -> Tensor:
+        """Layout (or explicit, or layout to the cache and ``tree_mask`` among the inputs) mask over cached + new
+        keys, minus padding keys.  # [B, 1, L, P + L] bool"""
         past_pos, past_valid = position_ids[:, :0], query_valid[:, :0]
         if cache is not None and cache.length:
             past_pos, past_valid = cache.positions, cache.valid
         key_pos = torch.cat((past_pos, position_ids), dim=1)
         key_valid = torch.cat((past_valid, query_valid), dim=1)
-        if explicit is None:
+        if tree_mask is not None:
+            past = layout_mask(self.layout, position_ids, past_pos, self.config.block_size, block_offset)
+            mask = torch.cat([past, tree_mask], dim=2)
+        elif explicit is None:
             mask = layout_mask(self.layout, position_ids, key_pos, self.config.block_size, block_offset)
         elif explicit.shape[-2:] != (position_ids.shape[1], key_pos.shape[1]):
             expected = f"[B, {position_ids.shape[1]}, {key_pos.shape[1]}]"

@@ -1,0 +1,254 @@
+"""Draft trees (``ar_spec`` with ``draft_candidates`` > 1) keep ``ar``'s law exactly.
+
+At every depth the chain's draft and further candidates drawn without replacement from the same draft law
+are verified in one call by the recursive rule (``dllm.kernels.verify.verify_tree_logits``). Tested: the
+rule alone against a known three-token chain, and a power test where the alternatives are drawn WITH
+replacement (what the rule does not assume) fails; ar_spec end to end by chi-square against the law
+enumerated from a small target (diffusion, causal and EAGLE-head drafters, T=1 and 0.7); greedy equals
+``ar`` token for token (padding, EOS, with and without cache); the tree call's logits equal plain calls;
+refusals name the option.
+"""
+
+import pytest
+import torch
+from scipy import stats as scipy_stats
+
+import dllm
+from dllm.kernels.verify import Noise, verify_tree_logits
+from dllm.models.ar_heads import EagleHead, HeadConfig
+from dllm.models.oracle import HMMOracle
+from dllm.models.transformer import TransformerConfig, TransformerLM
+from dllm.numerics import sample_from_logits, sample_more
+from dllm.samplers import sequential_distribution
+from dllm.stats import DecodeStats
+from samplers.ar import _target_rows, _tree_rows
+from samplers.canvas import Caller
+from samplers.verify import rejection_sample
+
+from stat_tools import ALPHA, chi_square_pvalue
+
+VOCAB = 4
+N_SAMPLES = 12000
+PROMPT = torch.tensor([0, 2])
+GEN = 4
+
+
+def _sharp(model: TransformerLM, scale: float) -> TransformerLM:
+    with torch.no_grad():
+        model.output.weight.mul_(scale)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def target():
+    torch.manual_seed(0)
+    return _sharp(TransformerLM(TransformerConfig(vocab_size=VOCAB, dim=16, n_layers=2, n_heads=2, max_seq_len=32)),
+                  4.0)
+
+
+@pytest.fixture(scope="module")
+def drafters():
+    """A block-causal diffusion drafter (mask id appended), a causal drafter and an EAGLE head, all random."""
+    torch.manual_seed(2)
+    diffusion = _sharp(TransformerLM(TransformerConfig(vocab_size=VOCAB + 1, dim=16, n_layers=1, n_heads=2,
+                                                       max_seq_len=32, layout="block_causal", block_size=2,
+                                                       mask_token_id=VOCAB)), 4.0)
+    causal = _sharp(TransformerLM(TransformerConfig(vocab_size=VOCAB, dim=16, n_layers=1, n_heads=2, max_seq_len=32)),
+                    3.0)
+    eagle = EagleHead(HeadConfig("eagle", 16, VOCAB, 32)).eval()
+    return {"diffusion": dict(drafter=diffusion), "causal": dict(drafter=causal),
+            "eagle": dict(drafter="head", draft_head=eagle)}
+
+
+def _rule_round(temperature: float, with_replacement: bool, n: int = 200_000, seed: int = 0):
+    """One tree round of depth 2 on a known chain p(x0), p(x1 | x0), p(x2 | x0, x1) -> (result, first two
+    laws), the candidates drawn as ar_spec draws them (or, for the power test, with replacement)."""
+    torch.manual_seed(seed)
+    laws = [torch.randn(VOCAB) * 2, torch.randn(VOCAB, VOCAB) * 2, torch.randn(VOCAB, VOCAB, VOCAB) * 2]
+    draft_logits = (torch.randn(2, VOCAB) * 2).expand(n, -1, -1).contiguous()
+    generator = torch.Generator().manual_seed(seed + 1)
+    flat = draft_logits.reshape(-1, VOCAB)
+    drafts = sample_from_logits(flat, temperature, generator).view(n, 2)
+    if with_replacement:  # independent draws from the full law: duplicates of the draft included
+        alternatives = torch.stack([sample_from_logits(flat, temperature, generator) for _ in range(2)], -1)
+    else:
+        alternatives = sample_more(flat, drafts.reshape(-1), 2, temperature, generator)
+    alternatives = alternatives.view(n, 2, 2)
+    d0, d1 = drafts[:, 0], drafts[:, 1]
+    target = torch.stack([laws[0].expand(n, -1), laws[1][d0], laws[2][d0, d1]], dim=1)
+    leaves = torch.stack([laws[1][alternatives[:, 0].clamp(min=0)],
+                          laws[2][d0[:, None].expand(-1, 2), alternatives[:, 1].clamp(min=0)]], dim=1)
+    result = verify_tree_logits(drafts, alternatives, draft_logits, target, leaves, temperature=temperature,
+                                noise=Noise(generator=generator))
+    return result, laws
+
+
+def _chain_pvalue(result, laws, temperature: float) -> float:
+    """Smallest p-value of: x0 against p(x0), and x1 given x0 (rows that emitted two tokens) against p(x1 | x0)."""
+    tokens = result.tokens
+    observed = torch.bincount(tokens[:, 0], minlength=VOCAB).double()
+    expected = torch.softmax(laws[0].double() / temperature, -1) * observed.sum()
+    pvalues = [scipy_stats.chisquare(observed, expected).pvalue]
+    two = result.num_emitted >= 2
+    for first in range(VOCAB):
+        rows = two & (tokens[:, 0] == first)
+        observed = torch.bincount(tokens[rows, 1], minlength=VOCAB).double()
+        expected = torch.softmax(laws[1][first].double() / temperature, -1) * observed.sum()
+        pvalues.append(scipy_stats.chisquare(observed, expected).pvalue)
+    return min(pvalues) * len(pvalues)  # Bonferroni over the tests
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_tree_rule_exact(temperature):
+    result, laws = _rule_round(temperature, with_replacement=False)
+    assert _chain_pvalue(result, laws, temperature) > ALPHA
+    taken = torch.bincount(result.branch, minlength=3)
+    assert taken[1] > 0 and taken[2] > 0  # both alternatives were accepted somewhere
+
+
+def test_power_tree_rule_with_candidates_drawn_with_replacement_fails():
+    """The rule's proposal for candidate i is the draft law without candidates 0..i-1; candidates drawn with
+    replacement break that, and the same test sees it."""
+    result, laws = _rule_round(1.0, with_replacement=True)
+    assert _chain_pvalue(result, laws, 1.0) < 1e-6
+
+
+def test_tree_rule_without_alternatives_is_the_chain_rule():
+    torch.manual_seed(3)
+    drafts, draft_logits = torch.randint(0, VOCAB, (50, 3)), torch.randn(50, 3, VOCAB)
+    target = torch.randn(50, 4, VOCAB)
+    noise = dict(uniforms=torch.rand(50, 3, dtype=torch.float64), gumbels=torch.rand(50, VOCAB, dtype=torch.float64))
+    tree = verify_tree_logits(drafts, drafts.new_zeros((50, 3, 0)), draft_logits, target, None, temperature=1.0,
+                              noise=Noise(**noise))
+    chain = rejection_sample(drafts, draft_logits, target, temperature=1.0, noise=Noise(**noise))
+    assert torch.equal(tree.tokens, chain.tokens) and torch.equal(tree.num_accepted, chain.num_accepted)
+
+
+def _sample(model, temperature, candidates, **options):
+    out = dllm.generate(model, PROMPT.expand(N_SAMPLES, -1), sampler="ar_spec", max_new_tokens=GEN,
+                        temperature=temperature, generator=torch.Generator().manual_seed(5), num_draft_tokens=3,
+                        draft_candidates=candidates, **options)
+    return out.sequences[:, PROMPT.numel():], out.stats
+
+
+@pytest.mark.parametrize("kind,candidates", [("diffusion", 2), ("causal", 2), ("eagle", 2), ("diffusion", 3)])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_ar_spec_tree_exact(target, drafters, kind, candidates, temperature):
+    answers, stats = _sample(target, temperature, candidates, **drafters[kind])
+    assert chi_square_pvalue(answers, sequential_distribution(target, PROMPT, GEN, temperature=temperature)) > ALPHA
+    assert 0 < stats.accepted < stats.drafted
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.3])
+def test_full_vocabulary_tree_never_corrects(temperature):
+    """With every token a candidate, some candidate is accepted at each depth (the residual is spent): a
+    round ends only after a full chain or an accepted alternative, never with a correction."""
+    torch.manual_seed(4)
+    n, width = 5000, 3
+    draft_logits, target = torch.randn(n, width, VOCAB) * 3, torch.randn(n, width + 1, VOCAB) * 3
+    generator = torch.Generator().manual_seed(0)
+    flat = draft_logits.reshape(-1, VOCAB)
+    drafts = sample_from_logits(flat, temperature, generator).view(n, width)
+    alternatives = sample_more(flat, drafts.reshape(-1), VOCAB - 1, temperature, generator).view(n, width, -1)
+    leaves = torch.randn(n, width, VOCAB - 1, VOCAB)
+    result = verify_tree_logits(drafts, alternatives, draft_logits, target, leaves, temperature=temperature,
+                                noise=Noise(generator=generator))
+    assert bool(((result.branch > 0) | (result.num_accepted == width)).all())
+    assert bool((result.branch > 0).any())
+
+
+@pytest.mark.parametrize("cache", ["auto", "none"])
+@pytest.mark.parametrize("candidates", [2, 3])
+def test_tree_greedy_equals_ar(target, drafters, cache, candidates):
+    prompts = torch.tensor([[0, 2, 1, 0, 2], [3, 1, 1, 1, 1], [0, 0, 2, 0, 3]])
+    mask = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1], [0, 1, 1, 1, 1]])
+    common = dict(max_new_tokens=11, temperature=0.0, attention_mask=mask, eos_token_id=3)
+    plain = dllm.generate(target, prompts, sampler="ar", **common).sequences
+    for options in drafters.values():
+        spec = dllm.generate(target, prompts, sampler="ar_spec", num_draft_tokens=3, draft_candidates=candidates,
+                             cache=cache, **options, **common)
+        assert torch.equal(spec.sequences, plain)
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_tree_call_equals_plain_calls(target, cached):
+    """Chain rows equal the chain-only call's; leaf (j, a) equals the target's next-token logits after the
+    prefix, d_<j and the alternative, from a plain call (left padding in row 1)."""
+    seq = torch.tensor([[0, 2, 1, 3, 0, 0, 0, 0, 0, 0, 0, 0], [1, 1, 3, 2, 2, 0, 0, 0, 0, 0, 0, 0]])
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :1] = 0
+    length, rows = torch.tensor([4, 5]), torch.tensor([0, 1])
+    drafts = torch.tensor([[1, 2, 3], [0, 3, 1]])
+    alternatives = torch.tensor([[[0, 3], [1, 2], [2, 0]], [[2, 1], [0, 1], [3, 2]]])
+    caller = Caller(target, DecodeStats(), attention_mask=mask)
+
+    def cache():
+        if not cached:
+            return None
+        kv = target.new_cache()
+        target.forward_cached(seq[:, :3], kv, attention_mask=mask[:, :3])  # the prompt's first 3 columns
+        return kv
+
+    with torch.no_grad():
+        chain, _ = _target_rows(caller, cache(), seq, rows, length, drafts)
+        tree, leaves, _ = _tree_rows(caller, cache(), seq, rows, length, drafts, alternatives)
+        torch.testing.assert_close(tree, chain, rtol=1e-4, atol=1e-4)
+        for r in range(2):
+            first = int((mask[r] == 0).sum())
+            for j in range(3):
+                for a in range(2):
+                    ids = torch.cat([seq[r, first : length[r]], drafts[r, :j], alternatives[r, j, a : a + 1]])
+                    plain = target(ids[None])[0, -1]
+                    torch.testing.assert_close(leaves[r, j, a], plain, rtol=1e-4, atol=1e-4)
+
+
+def test_tree_refusals_name_the_option(target, drafters):
+    run = lambda model, **o: dllm.generate(model, PROMPT[None], sampler="ar_spec", max_new_tokens=3, **o)  # noqa: E731
+    with pytest.raises(ValueError, match="draft_candidates"):
+        run(target, drafter="ngram", draft_candidates=2)
+    with pytest.raises(ValueError, match="draft_candidates=2 .*tree attention"):
+        oracle = HMMOracle.random(num_states=2, num_tokens=VOCAB, seed=0)
+        run(oracle.as_causal(), drafter=oracle.perturbed().as_causal(), draft_candidates=2)
+    with pytest.raises(ValueError, match="draft_candidates"):
+        run(target, draft_candidates=0, **drafters["causal"])
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def hf_pair(request, tmp_path_factory):
+    """A tiny random Hugging Face causal target (transformers' own modelling code) and a second one as its drafter."""
+    from fixtures.hf import builders
+
+    from dllm.models.loading import load
+
+    target = load(builders.save_causal(tmp_path_factory.mktemp("target"), request.param, seed=0))
+    drafter = load(builders.save_causal(tmp_path_factory.mktemp("drafter"), request.param, seed=1))
+    return target, drafter
+
+
+def test_hf_target_tree_call_and_greedy(hf_pair):
+    """A transformers causal LM verifies a tree through a custom 4-D mask: leaf logits equal plain calls, and
+    greedy ar_spec with trees equals ar token for token (left padding, with and without cache)."""
+    target, drafter = hf_pair
+    assert target.capabilities.tree_attention
+    seq = torch.randint(3, 40, (2, 14), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 14, dtype=torch.long)
+    mask[1, :2] = 0
+    length, rows = torch.tensor([5, 6]), torch.tensor([0, 1])
+    drafts = torch.randint(3, 40, (2, 3), generator=torch.Generator().manual_seed(1))
+    alternatives = torch.randint(3, 40, (2, 3, 2), generator=torch.Generator().manual_seed(2))
+    kv = target.new_cache()
+    target.forward_cached(seq[:, :4], kv, attention_mask=mask[:, :4])
+    _, leaves, _ = _tree_rows(Caller(target, DecodeStats(), attention_mask=mask), kv, seq, rows, length, drafts,
+                              alternatives)
+    for r in range(2):
+        first = int((mask[r] == 0).sum())
+        for j in range(3):
+            ids = torch.cat([seq[r, first : length[r]], drafts[r, :j], alternatives[r, j, 1:]])
+            torch.testing.assert_close(leaves[r, j, 1], target(ids[None])[0, -1], rtol=1e-4, atol=1e-4)
+    prompts, pmask = seq[:, :6], mask[:, :6]
+    common = dict(max_new_tokens=10, temperature=0.0, attention_mask=pmask)
+    plain = dllm.generate(target, prompts, sampler="ar", **common).sequences
+    for cache in ("auto", "none"):
+        spec = dllm.generate(target, prompts, sampler="ar_spec", drafter=drafter, num_draft_tokens=3,
+                             draft_candidates=3, cache=cache, **common)
+        assert torch.equal(spec.sequences, plain)
