@@ -31,3 +31,11 @@ def chi_square_pvalue(answers: torch.Tensor, expected: dict[tuple[int, ...], flo
         predicted.append(pooled_exp)
     scale = sum(observed) / sum(predicted)  # removes float rounding of the enumerated probabilities
     return float(scipy_stats.chisquare(observed, [p * scale for p in predicted]).pvalue)
+
+
+def sharp(model, scale: float):
+    """A small random TransformerLM's (tied) output projection scaled by ``scale``, so its next-token laws are
+    far from uniform (tests of exactness then have outcomes of very different probabilities); eval mode."""
+    with torch.no_grad():
+        model.output.weight.mul_(scale)
+    return model.eval()

@@ -31,24 +31,17 @@ from samplers.canvas import Caller
 from samplers.drafters import DiffusionDrafter, Draft, DraftContext
 from samplers.head_drafters import EagleDrafter, RepairDrafter
 
-from stat_tools import ALPHA, chi_square_pvalue
+from stat_tools import ALPHA, chi_square_pvalue, sharp
 
 N_SAMPLES = 12000
 PROMPT = torch.tensor([0, 2])
 GEN = 4
 
 
-def _sharp(model: TransformerLM, scale: float) -> TransformerLM:
-    """Scale the (tied) output projection so next-token laws are far from uniform."""
-    with torch.no_grad():
-        model.output.weight.mul_(scale)
-    return model.eval()
-
-
 @pytest.fixture(scope="module")
 def target():
     torch.manual_seed(0)
-    return _sharp(TransformerLM(TransformerConfig(vocab_size=3, dim=16, n_layers=1, n_heads=2, max_seq_len=32)), 5.0)
+    return sharp(TransformerLM(TransformerConfig(vocab_size=3, dim=16, n_layers=1, n_heads=2, max_seq_len=32)), 5.0)
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +70,7 @@ def diffusion():
     torch.manual_seed(2)
     config = TransformerConfig(vocab_size=4, dim=16, n_layers=1, n_heads=2, max_seq_len=32, layout="block_causal",
                                block_size=2, mask_token_id=3)
-    return _sharp(TransformerLM(config), 5.0)
+    return sharp(TransformerLM(config), 5.0)
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from samplers.ar import _target_rows, _tree_rows
 from samplers.canvas import Caller
 from samplers.verify import rejection_sample
 
-from stat_tools import ALPHA, chi_square_pvalue
+from stat_tools import ALPHA, chi_square_pvalue, sharp
 
 VOCAB = 4
 N_SAMPLES = 12000
@@ -33,28 +33,21 @@ PROMPT = torch.tensor([0, 2])
 GEN = 4
 
 
-def _sharp(model: TransformerLM, scale: float) -> TransformerLM:
-    with torch.no_grad():
-        model.output.weight.mul_(scale)
-    return model.eval()
-
-
 @pytest.fixture(scope="module")
 def target():
     torch.manual_seed(0)
-    return _sharp(TransformerLM(TransformerConfig(vocab_size=VOCAB, dim=16, n_layers=2, n_heads=2, max_seq_len=32)),
-                  4.0)
+    config = TransformerConfig(vocab_size=VOCAB, dim=16, n_layers=2, n_heads=2, max_seq_len=32)
+    return sharp(TransformerLM(config), 4.0)
 
 
 @pytest.fixture(scope="module")
 def drafters():
     """A block-causal diffusion drafter (mask id appended), a causal drafter and an EAGLE head, all random."""
     torch.manual_seed(2)
-    diffusion = _sharp(TransformerLM(TransformerConfig(vocab_size=VOCAB + 1, dim=16, n_layers=1, n_heads=2,
-                                                       max_seq_len=32, layout="block_causal", block_size=2,
-                                                       mask_token_id=VOCAB)), 4.0)
-    causal = _sharp(TransformerLM(TransformerConfig(vocab_size=VOCAB, dim=16, n_layers=1, n_heads=2, max_seq_len=32)),
-                    3.0)
+    small = dict(dim=16, n_layers=1, n_heads=2, max_seq_len=32)
+    diffusion = sharp(TransformerLM(TransformerConfig(vocab_size=VOCAB + 1, layout="block_causal", block_size=2,
+                                                      mask_token_id=VOCAB, **small)), 4.0)
+    causal = sharp(TransformerLM(TransformerConfig(vocab_size=VOCAB, **small)), 3.0)
     eagle = EagleHead(HeadConfig("eagle", 16, VOCAB, 32)).eval()
     return {"diffusion": dict(drafter=diffusion), "causal": dict(drafter=causal),
             "eagle": dict(drafter="head", draft_head=eagle)}
