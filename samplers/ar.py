@@ -97,13 +97,14 @@ def ar(
 
 def ar_spec(
     model, prompt, gen_length, *, temperature, generator, stats: DecodeStats, drafter="ngram",
-    num_draft_tokens=4, max_ngram=3, draft_head=None, draft_confidence=None, draft_candidates=1, cache="auto",
-    attention_mask=None, eos_token_id=None, callback=None,
+    num_draft_tokens=4, max_ngram=3, draft_head=None, draft_confidence=None, draft_candidates=1,
+    candidates_below=None, cache="auto", attention_mask=None, eos_token_id=None, callback=None,
 ) -> torch.Tensor:
     """Speculative decoding against the causal target ``model`` -> [B, P + N].
 
     ``draft_candidates`` > 1 verifies a draft tree: at every depth the chain's draft and that many - 1
-    further candidates drawn without replacement from the same draft law (``_tree_rows``)."""
+    further candidates drawn without replacement from the same draft law (``_tree_rows``); with
+    ``candidates_below``, only at depths whose draft has a (temperature-1) probability below it."""
     batch, prompt_len = prompt.shape
     total = prompt_len + gen_length
     seq = _buffer(prompt, gen_length, eos_token_id)
@@ -126,7 +127,7 @@ def ar_spec(
         drafts, num_drafts = draft.tokens, draft.count
         tree = {}
         if draft_candidates > 1:  # the tree's other candidates, and the target after each of them
-            alternatives = more_candidates(draft, draft_candidates - 1, temperature, generator, rows)
+            alternatives = more_candidates(draft, draft_candidates - 1, temperature, generator, rows, candidates_below)
             target, leaves, fed = _tree_rows(caller, kv, seq[rows], rows, length, drafts, alternatives,
                                              proposer.wants_features)
             tree = {"alternatives": alternatives, "leaf_logits": leaves}
@@ -249,14 +250,17 @@ def _tree_rows(caller: Caller, kv, seq, rows, length, drafts, alternatives, hidd
     [R, K, A, V] after each alternative; ``hidden``: (chain features, their first position, the alternatives'
     features [R, K, A, D]), else None).
 
-    The inputs are the chain's (as ``_target_rows``), then the K x A alternatives: alternative (j, a) sits
-    at d_j's position and sees the prefix and d_<j only (``tree_mask``), so its logits are the target
-    after it. Without a cache the call fills a fresh one (the same logits), since the tree's mask is a
-    cached call's. The alternatives' cache entries lie past the chain's, where the round's crop drops them.
+    The inputs are the chain's (as ``_target_rows``), then the alternatives (the K x A columns in which some
+    row has one): alternative (j, a) sits at d_j's position and sees the prefix and d_<j only (``tree_mask``),
+    so its logits are the target after it. Without a cache the call fills a fresh one (the same logits),
+    since the tree's mask is a cached call's. The alternatives' cache entries lie past the chain's, where
+    the round's crop drops them.
     """
     n_rows, width = drafts.shape
-    count = alternatives.shape[1] * alternatives.shape[2]
     device = seq.device
+    siblings = alternatives.flatten(1)  # [R, K A], depth-major
+    used = (siblings >= 0).any(dim=0).nonzero().squeeze(-1)  # only the columns some row has a sibling in
+    count = used.numel()
     extended = append_at_lengths(seq, length, drafts)[:, : min(int(length.max()) + width, seq.shape[1] - 1)]
     cache = kv if kv is not None else caller.model.new_cache()
     start, columns = cache.length, extended.shape[1]
@@ -265,7 +269,7 @@ def _tree_rows(caller: Caller, kv, seq, rows, length, drafts, alternatives, hidd
         real = caller.attention_mask[rows, :columns].bool()
     positions = positions_from_mask(real)  # [R, columns], the model's own position ids
     depth_at = (length[:, None] + torch.arange(width, device=device)).clamp(max=columns - 1)  # d_j's column
-    leaf_at = depth_at.repeat_interleave(alternatives.shape[2], dim=1)  # [R, K A]
+    leaf_at = depth_at.repeat_interleave(alternatives.shape[2], dim=1)[:, used]  # [R, count]
     chain_cols = torch.arange(start, columns, device=device)
     sees_chain = torch.cat([
         (chain_cols[:, None] >= chain_cols[None, :]).expand(n_rows, -1, -1),  # the chain: causal
@@ -274,7 +278,7 @@ def _tree_rows(caller: Caller, kv, seq, rows, length, drafts, alternatives, hidd
     sees_leaf = torch.cat([torch.zeros((columns - start, count), dtype=torch.bool, device=device),
                            torch.eye(count, dtype=torch.bool, device=device)])  # alternatives see themselves
     tree = torch.cat([sees_chain, sees_leaf.expand(n_rows, -1, -1)], dim=2)
-    inputs = torch.cat([extended[:, start:], alternatives.clamp(min=0).flatten(1)], dim=1)
+    inputs = torch.cat([extended[:, start:], siblings[:, used].clamp(min=0)], dim=1)
     caller.count(inputs, served=len(rows), cache=cache)
     keys = torch.cat([real, real.new_ones((n_rows, count))], 1)  # padding over cached + new keys
     out = caller.model.forward_cached(inputs, cache, attention_mask=keys, tree_mask=tree, append=True,
@@ -284,9 +288,14 @@ def _tree_rows(caller: Caller, kv, seq, rows, length, drafts, alternatives, hidd
     n = columns - start
     at = length[:, None] - 1 - start + torch.arange(width + 1, device=device)  # position t predicts t + 1
     target = logits[torch.arange(n_rows, device=device)[:, None], at.clamp(max=n - 1)]
-    leaves = logits[:, n:].unflatten(1, alternatives.shape[1:])
-    fed = (features[:, :n], start, features[:, n:].unflatten(1, alternatives.shape[1:])) if hidden else None
-    return target, leaves, fed
+    leaves = logits.new_zeros((n_rows, siblings.shape[1], logits.shape[-1]))  # never read where no sibling
+    leaves[:, used] = logits[:, n:]
+    fed = None
+    if hidden:
+        leaf_features = features.new_zeros((n_rows, siblings.shape[1], features.shape[-1]))
+        leaf_features[:, used] = features[:, n:]
+        fed = (features[:, :n], start, leaf_features.unflatten(1, alternatives.shape[1:]))
+    return target, leaves.unflatten(1, alternatives.shape[1:]), fed
 
 
 def _keep_features(features, fed, rows, length, shape: tuple[int, int], outcome) -> torch.Tensor:

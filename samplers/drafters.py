@@ -205,15 +205,21 @@ class StaleDrafts(MarginalDrafts):
         return torch.cat([source, pad], dim=1)  # columns past the active block are never read
 
 
-def more_candidates(draft: Draft, count: int, temperature: float, generator, rows: torch.Tensor) -> torch.Tensor:
+def more_candidates(draft: Draft, count: int, temperature: float, generator, rows: torch.Tensor,
+                    below: float | None = None) -> torch.Tensor:
     """``count`` more candidates per draft position, drawn without replacement from the law the draft itself
-    was drawn from, the draft removed -> [R, K, count] long (-1: the law has no token left; point-mass
-    drafts have none). Each row draws from its own generator stream (``bind_rows``), after its drafts."""
+    was drawn from, the draft removed -> [R, K, count] long (-1: none; the law has no token left, or, with
+    ``below``, the draft's temperature-1 probability is not below it; point-mass drafts have none). Each row
+    draws from its own generator stream (``bind_rows``), after its drafts. Which positions get candidates
+    depends on the draft's own logits only, so verification stays exact."""
     if draft.logits is None:
         return torch.full((*draft.tokens.shape, count), -1, dtype=torch.long, device=draft.tokens.device)
     logits = draft.logits.reshape(-1, draft.logits.shape[-1])
     flat_rows = rows.repeat_interleave(draft.tokens.shape[1])
     more = sample_more(logits, draft.tokens.reshape(-1), count, temperature, bind_rows(generator, flat_rows))
+    if below is not None:
+        sure = torch.softmax(logits.float(), -1).gather(-1, draft.tokens.reshape(-1, 1)) >= below
+        more = torch.where(sure, -1, more)
     return more.view(*draft.tokens.shape, count)
 
 

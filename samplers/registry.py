@@ -285,6 +285,9 @@ def _check_tree(values: dict[str, Any], model) -> None:
     """draft_candidates > 1 verifies a draft tree in one call: a target with tree attention and a drafter
     whose drafts come from logits (the further candidates are drawn from them)."""
     if values["draft_candidates"] == 1:
+        if values.get("candidates_below") is not None:
+            raise ValueError("candidates_below limits a draft tree's siblings to unsure drafts; it needs "
+                             "draft_candidates > 1, got draft_candidates=1")
         return
     if not capabilities(model).tree_attention:
         raise ValueError(f"draft_candidates={values['draft_candidates']} verifies a draft tree in one call, which "
@@ -397,6 +400,7 @@ class ArSpecConfig(ArConfig):
     draft_head: Any = option(None, _no_check, "str")  # a head folder or module (samplers/head_drafters.py)
     draft_confidence: float | None = option(None, _number(0.0, 1.0, optional=True), "float")  # drafter="head"
     draft_candidates: int = option(1, _int_at_least(1), "int")  # > 1: a draft tree (samplers/ar.py)
+    candidates_below: float | None = option(None, _number(0.0, 1.0, optional=True), "float")  # tree: where unsure
     CHECKS: ClassVar[tuple] = (_check_drafter, _check_tree)
 
 

@@ -32,7 +32,8 @@ def test_transformer_declares_its_record(layout):
     assert caps == Capabilities(accepts_attention_mask=True, context_length=32,
                                 block_size=2 if layout == "block_causal" else None, cache=True,
                                 cache_exact=layout != "bidirectional", cache_crop=True, cache_drop=True,
-                                commits_prefix=True, structured_verify=True, hidden_states=True)
+                                commits_prefix=True, structured_verify=True, hidden_states=True,
+                                tree_attention=layout == "causal")
     with pytest.raises(dataclasses.FrozenInstanceError):
         caps.cache = False
 

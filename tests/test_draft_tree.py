@@ -124,10 +124,12 @@ def _sample(model, temperature, candidates, **options):
     return out.sequences[:, PROMPT.numel():], out.stats
 
 
-@pytest.mark.parametrize("kind,candidates", [("diffusion", 2), ("causal", 2), ("eagle", 2), ("diffusion", 3)])
+@pytest.mark.parametrize("kind,candidates,below", [("diffusion", 2, None), ("causal", 2, None), ("eagle", 2, None),
+                                                   ("diffusion", 3, None), ("causal", 3, 0.8)])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_ar_spec_tree_exact(target, drafters, kind, candidates, temperature):
-    answers, stats = _sample(target, temperature, candidates, **drafters[kind])
+def test_ar_spec_tree_exact(target, drafters, kind, candidates, below, temperature):
+    """The law is ar's; ``candidates_below`` gives siblings only to unsure drafts (a choice of the proposal's own)."""
+    answers, stats = _sample(target, temperature, candidates, candidates_below=below, **drafters[kind])
     assert chi_square_pvalue(answers, sequential_distribution(target, PROMPT, GEN, temperature=temperature)) > ALPHA
     assert 0 < stats.accepted < stats.drafted
 
@@ -157,9 +159,9 @@ def test_tree_greedy_equals_ar(target, drafters, cache, candidates):
     mask = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1], [0, 1, 1, 1, 1]])
     common = dict(max_new_tokens=11, temperature=0.0, attention_mask=mask, eos_token_id=3)
     plain = dllm.generate(target, prompts, sampler="ar", **common).sequences
-    for options in drafters.values():
+    for options, below in [(options, None) for options in drafters.values()] + [(drafters["causal"], 0.9)]:
         spec = dllm.generate(target, prompts, sampler="ar_spec", num_draft_tokens=3, draft_candidates=candidates,
-                             cache=cache, **options, **common)
+                             candidates_below=below, cache=cache, **options, **common)
         assert torch.equal(spec.sequences, plain)
 
 
@@ -204,6 +206,10 @@ def test_tree_refusals_name_the_option(target, drafters):
         run(oracle.as_causal(), drafter=oracle.perturbed().as_causal(), draft_candidates=2)
     with pytest.raises(ValueError, match="draft_candidates"):
         run(target, draft_candidates=0, **drafters["causal"])
+    with pytest.raises(ValueError, match="candidates_below .*needs draft_candidates > 1"):
+        run(target, candidates_below=0.5, **drafters["causal"])
+    with pytest.raises(ValueError, match="candidates_below"):
+        run(target, draft_candidates=2, candidates_below=1.5, **drafters["causal"])
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from fixtures.hf import builders
 
+from dllm.defaults import auto_dtype
 from dllm.eval import runner
 from dllm.eval.report import parse_samples, summarize_folder
 
@@ -83,7 +84,8 @@ def test_gsm8k_end_to_end(tiny_model, tmp_path, monkeypatch, capsys):
     assert summary["sampler_options"]["window"] == 2 and summary["sampler_options"]["cache"] == "auto"
     assert summary["config"]["task_options"] == {"num_fewshot": 0}
     env = summary["environment"]
-    assert env["batch_size"] == 3 and env["device"] == "cpu" and env["dtype"] == "float32"
+    auto = str(auto_dtype("cpu")).removeprefix("torch.")  # --dtype auto: bf16 on a CPU with native bf16
+    assert env["batch_size"] == 3 and env["device"] == "cpu" and env["dtype"] == auto
     assert {"torch", "transformers", "dllm"} <= set(env["versions"]) and "git_commit" in env
     assert "accuracy" in capsys.readouterr().out
 

@@ -31,6 +31,9 @@ GEN = [("the cat sat on the", {"until": ["\n\n"], "max_gen_toks": 6, "do_sample"
 LOGLIKELIHOOD = [("the cat sat", " on the mat"), ("", "the dog ran"), ("the cat", " sat"), ("the cat", " ran"),
                  ("the cat", " sat on"), (LONG, " red blue"), ("a", " " + " ".join(builders.WORDS[:12]))]
 ROLLING = ["the cat sat on the mat", LONG, "two"]
+# lm-eval's hf backend keeps the checkpoint's float32 (its dtype "auto" reads the config), while dllm's "auto" is
+# bfloat16 on a CPU with native bf16 (README, "Defaults"): the side-by-side runs fix float32 for dllm too.
+SAME_DTYPE = "float32"
 
 
 def _bos_llama(folder: Path, adds_bos: bool) -> Path:
@@ -59,7 +62,7 @@ def llama(request, tmp_path_factory) -> tuple[Path, bool]:
 def _pair(path: Path, batch_size: int, **kw) -> tuple[HFLM, DllmLM]:
     hf = HFLM(pretrained=str(path), device="cpu", batch_size=batch_size, max_length=MAX_LENGTH, **kw)
     ours = DllmLM(pretrained=str(path), sampler="ar", device="cpu", batch_size=batch_size, max_length=MAX_LENGTH,
-                  **kw)
+                  dtype=SAME_DTYPE, **kw)
     return hf, ours
 
 
@@ -125,7 +128,7 @@ def test_same_numbers_with_add_bos_token_and_default_length(llama):
     """add_bos_token=True forces BOS as HFLM's does; without max_length both read the config's (128)."""
     path, _ = llama
     hf = HFLM(pretrained=str(path), device="cpu", batch_size=2, add_bos_token=True)
-    ours = DllmLM(pretrained=str(path), sampler="ar", batch_size=2, add_bos_token=True)
+    ours = DllmLM(pretrained=str(path), sampler="ar", batch_size=2, add_bos_token=True, dtype=SAME_DTYPE)
     assert ours.max_length == hf.max_length == 128
     ll = _requests("loglikelihood", LOGLIKELIHOOD)
     _assert_same_loglikelihoods(hf.loglikelihood(ll), ours.loglikelihood(ll))
@@ -171,7 +174,7 @@ def test_simple_evaluate_side_by_side_with_chat_template(tmp_path, monkeypatch):
     tasks = TaskManager(include_path=str(_tasks(tmp_path)), include_defaults=False)
     names = ["parity_gen", "parity_mc", "parity_ppl"]
     samples = {}
-    for model, args in [("hf", "device=cpu"), ("dllm", "sampler=ar")]:
+    for model, args in [("hf", "device=cpu"), ("dllm", f"sampler=ar,dtype={SAME_DTYPE}")]:
         results = lm_eval.simple_evaluate(model=model, model_args=f"pretrained={path},max_length={MAX_LENGTH},{args}",
                                           tasks=names, task_manager=tasks, log_samples=True, apply_chat_template=True,
                                           batch_size=2)
