@@ -300,9 +300,9 @@ def _tree_rows(caller: Caller, kv, seq, rows, length, drafts, alternatives, hidd
 
 def _keep_features(features, fed, rows, length, shape: tuple[int, int], outcome) -> torch.Tensor:
     """Write a round's fed target features into ``features`` [B, total, D] (``shape`` (B, total); made on first
-    use): every chain
-    position's (those up to each row's new length - 2 held final tokens when fed, later ones are rewritten
-    next round, the cache rolling back to before them), and an accepted alternative's at its position."""
+    use): every chain position's (those up to each row's new length - 2 held final tokens when fed, later
+    ones are rewritten next round, the cache rolling back to before them), and an accepted alternative's at
+    its position."""
     chain, start, leaves = fed
     if features is None:
         features = chain.new_zeros((*shape, chain.shape[-1]))

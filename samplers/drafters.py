@@ -208,10 +208,10 @@ class StaleDrafts(MarginalDrafts):
 def more_candidates(draft: Draft, count: int, temperature: float, generator, rows: torch.Tensor,
                     below: float | None = None) -> torch.Tensor:
     """``count`` more candidates per draft position, drawn without replacement from the law the draft itself
-    was drawn from, the draft removed -> [R, K, count] long (-1: none; the law has no token left, or, with
-    ``below``, the draft's temperature-1 probability is not below it; point-mass drafts have none). Each row
-    draws from its own generator stream (``bind_rows``), after its drafts. Which positions get candidates
-    depends on the draft's own logits only, so verification stays exact."""
+    was drawn from, the draft removed -> [R, K, count] long (-1: none; past the row's valid drafts, where the
+    law has no token left, or, with ``below``, where the draft's temperature-1 probability is not below it;
+    point-mass drafts have none). Each row draws from its own generator stream (``bind_rows``), after its
+    drafts. Which positions get candidates depends on the proposal alone, so verification stays exact."""
     if draft.logits is None:
         return torch.full((*draft.tokens.shape, count), -1, dtype=torch.long, device=draft.tokens.device)
     logits = draft.logits.reshape(-1, draft.logits.shape[-1])
@@ -220,7 +220,8 @@ def more_candidates(draft: Draft, count: int, temperature: float, generator, row
     if below is not None:
         sure = torch.softmax(logits.float(), -1).gather(-1, draft.tokens.reshape(-1, 1)) >= below
         more = torch.where(sure, -1, more)
-    return more.view(*draft.tokens.shape, count)
+    valid = torch.arange(draft.tokens.shape[1], device=more.device) < draft.count[:, None]  # [R, K]
+    return torch.where(valid[..., None], more.view(*draft.tokens.shape, count), -1)
 
 
 def independent_drafts(window_logits: torch.Tensor, mask_id: int, temperature: float,
