@@ -86,14 +86,21 @@ def gumbel_argmax(log_weights: torch.Tensor, generator: torch.Generator) -> torc
 
     Rows are processed in chunks so the float64 noise never exceeds NOISE_CHUNK_ELEMENTS entries.
     """
+    out = torch.empty(log_weights.shape[0], dtype=torch.long, device=log_weights.device)
+    for start, scores in _gumbel_chunks(log_weights, generator):
+        out[start : start + scores.shape[0]] = scores.argmax(-1)
+    return out
+
+
+def _gumbel_chunks(log_weights: torch.Tensor, generator: torch.Generator):
+    """(first row, float64 log_weights + Gumbel noise) over row chunks of ``log_weights`` [N, V], each chunk's
+    noise at most NOISE_CHUNK_ELEMENTS entries, row i drawn from the generator bound to i (``bind_rows``)."""
     n, vocab = log_weights.shape
     chunk = max(1, NOISE_CHUNK_ELEMENTS // max(vocab, 1))
-    out = torch.empty(n, dtype=torch.long, device=log_weights.device)
     for start in range(0, n, chunk):
         rows = log_weights[start : start + chunk].double()
         part = bind_rows(generator, torch.arange(start, start + rows.shape[0]))
-        out[start : start + chunk] = (rows + gumbel(part, tuple(rows.shape), rows.device)).argmax(-1)
-    return out
+        yield start, rows + gumbel(part, tuple(rows.shape), rows.device)
 
 
 def sample_from_logits(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> torch.Tensor:
@@ -111,17 +118,14 @@ def sample_more(logits: torch.Tensor, taken: torch.Tensor, count: int, temperatu
     Draw i is distributed as softmax(logits / T) with ``taken`` and draws 0..i-1 removed and renormalised
     (the Gumbel-top-k race, Kool et al. 2019); T = 0 takes the next-highest logits, ties to the lower id.
     """
-    scores = logits.double()
-    if temperature > 0 and scores.shape[0]:
-        scores = scores / temperature
-        chunk = max(1, NOISE_CHUNK_ELEMENTS // max(scores.shape[1], 1))
-        scores = torch.cat([part + gumbel(bind_rows(generator, torch.arange(start, start + part.shape[0])),
-                                          tuple(part.shape), part.device)
-                            for start, part in zip(range(0, scores.shape[0], chunk), scores.split(chunk))])
-    scores = torch.where(torch.isneginf(logits), float("-inf"), scores)  # u = 0 noise aside, never drawn
-    scores = scores.scatter(1, taken[:, None], float("-inf"))
-    values, order = torch.sort(scores, dim=1, descending=True, stable=True)
-    return torch.where(torch.isneginf(values[:, :count]), -1, order[:, :count])
+    out = torch.empty((logits.shape[0], count), dtype=torch.long, device=logits.device)
+    scored = _gumbel_chunks(logits.double() / temperature, generator) if temperature > 0 else [(0, logits.double())]
+    for start, scores in scored:
+        rows = slice(start, start + scores.shape[0])
+        scores = scores.scatter(1, taken[rows, None], float("-inf"))
+        values, order = torch.sort(scores, dim=1, descending=True, stable=True)
+        out[rows] = torch.where(torch.isneginf(values[:, :count]), -1, order[:, :count])
+    return out
 
 
 def sample_from_probs(weights: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
