@@ -74,7 +74,9 @@ _SEQUENTIAL, _FEF = _stepper(SequentialStepper), _stepper(FefStepper)
 # What sequential and fef pass to the two-stream decoder (its own draft logits; fef's verifier does not apply).
 _TWO_STREAM = {_SEQUENTIAL: lambda options, model: {"order": options["order"], "window": 0},
                _FEF: lambda options, model: {"order": options["order"], "window": options["window"], "sampler": "fef",
-                                             "draft_head": _two_stream_head(options, model)}}
+                                             "draft_head": _two_stream_head(options, model),
+                                             "draft_candidates": options["draft_candidates"],
+                                             "candidates_below": options["candidates_below"]}}
 
 
 def _two_stream_head(options, model) -> DraftHead | None:

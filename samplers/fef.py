@@ -66,6 +66,9 @@ class FefStepper:
     draft: str = "marginal"
     verifier: str = "copies"
     draft_head: object = None  # draft="head": a head folder or DraftHead (None: the shipped head)
+    # Draft trees run on two-stream models only (samplers/two_stream.py); the registry refuses them here.
+    draft_candidates: int = 1
+    candidates_below: float | None = None
 
     def __post_init__(self) -> None:  # the source is chosen once, not per round
         head = FEF_HEAD if self.draft_head is None else self.draft_head

@@ -281,13 +281,18 @@ def _check_draft_head(values: dict[str, Any], model) -> None:
                          f"with condition_first={two_stream}")
 
 
+def _is_tree(values: dict[str, Any]) -> bool:
+    """Whether draft_candidates asks for a draft tree; candidates_below without one is refused."""
+    if values["draft_candidates"] == 1 and values.get("candidates_below") is not None:
+        raise ValueError("candidates_below limits a draft tree's siblings to unsure drafts; it needs "
+                         "draft_candidates > 1, got draft_candidates=1")
+    return values["draft_candidates"] > 1
+
+
 def _check_tree(values: dict[str, Any], model) -> None:
     """draft_candidates > 1 verifies a draft tree in one call: a target with tree attention and a drafter
     whose drafts come from logits (the further candidates are drawn from them)."""
-    if values["draft_candidates"] == 1:
-        if values.get("candidates_below") is not None:
-            raise ValueError("candidates_below limits a draft tree's siblings to unsure drafts; it needs "
-                             "draft_candidates > 1, got draft_candidates=1")
+    if not _is_tree(values):
         return
     if not capabilities(model).tree_attention:
         raise ValueError(f"draft_candidates={values['draft_candidates']} verifies a draft tree in one call, which "
@@ -296,6 +301,20 @@ def _check_tree(values: dict[str, Any], model) -> None:
     if isinstance(values["drafter"], str) and values["drafter"] == "ngram":
         raise ValueError("draft_candidates > 1 draws further candidates from the drafter's logits; the 'ngram' "
                          "drafter proposes point masses: use a model or head drafter, or draft_candidates=1")
+
+
+def _check_fef_tree(values: dict[str, Any], model) -> None:
+    """fef's draft trees verify the siblings in the two-stream layout's one call, left to right (every fef
+    draft source samples from logits, so each can give siblings)."""
+    if not _is_tree(values):
+        return
+    if not capabilities(model).reveal_order_cache:
+        raise ValueError(f"draft_candidates={values['draft_candidates']} verifies a draft tree in the two-stream "
+                         f"layout's one call (Capabilities.reveal_order_cache); {type(model).__name__} verifies "
+                         "with copies of the block: use draft_candidates=1")
+    if values["order"] != "left_to_right":
+        raise ValueError(f"draft_candidates={values['draft_candidates']} runs with order='left_to_right' only, "
+                         f"got order={values['order']!r}")
 
 
 def _check_drafter(values: dict[str, Any], model) -> None:
@@ -469,7 +488,9 @@ class FefConfig(SequentialConfig):
     draft: str = option(FEF_DRAFT, _choice(fef.DRAFT_SOURCES), "str")
     verifier: str = option("copies", _choice(fef.VERIFIERS), "str")
     draft_head: Any = option(None, _no_check, "str")  # draft="head": a folder or DraftHead; None: the shipped one
-    CHECKS: ClassVar[tuple] = (_check_verifier, _check_draft_head)
+    draft_candidates: int = option(1, _int_at_least(1), "int")  # > 1: a draft tree (two-stream models)
+    candidates_below: float | None = option(None, _number(0.0, 1.0, optional=True), "float")  # tree: where unsure
+    CHECKS: ClassVar[tuple] = (_check_verifier, _check_draft_head, _check_fef_tree)
 
     @property
     def exact(self) -> bool:

@@ -40,7 +40,7 @@ from dllm.numerics import bind_rows, forbid_token, positions_from_mask
 from dllm.stats import DecodeStats, StepEvent
 
 from .canvas import Canvas
-from .drafters import independent_drafts
+from .drafters import Draft, independent_drafts, more_candidates
 from .fef_head import head_drafts
 from .order import choose_window, top1_probability
 from .verify import Noise, rejection_sample
@@ -75,12 +75,18 @@ class _Decoding:
 
 def decode(model, prompt, gen_length, *, temperature, generator, stats: DecodeStats, order: str, window: int,
            block_length: int, cache: str = "auto", attention_mask=None, eos_token_id=None, callback=None,
-           sampler: str = "sequential", draft_head=None) -> torch.Tensor:
+           sampler: str = "sequential", draft_head=None, draft_candidates: int = 1,
+           candidates_below: float | None = None) -> torch.Tensor:
     """Decode ``gen_length`` tokens after ``prompt`` [B, P] -> [B, P + N]; window 0 is ``sequential``.
 
     ``draft_head`` (a ``DraftHead`` with ``condition_first``): drafts come from it, step j reading the
     stored query features and logits at s_j and the token before (the last round's correction at step 0),
-    in W head steps and no extra call; None drafts the stored query logits independently."""
+    in W head steps and no extra call; None drafts the stored query logits independently.
+    ``draft_candidates`` > 1 (left to right): a draft tree (``_Tree``), siblings only where the draft's
+    temperature-1 probability is below ``candidates_below`` when given."""
+    if draft_candidates > 1 and order != "left_to_right":
+        raise ValueError(f"draft_candidates={draft_candidates}: draft trees on a two-stream model run left to right; "
+                         f"got order={order!r}")
     if cache not in ("auto", "none"):
         raise ValueError(f"cache={cache!r}: a two-stream model decodes with its own exact reveal-order cache; "
                          "use cache='auto'")
@@ -98,7 +104,7 @@ def decode(model, prompt, gen_length, *, temperature, generator, stats: DecodeSt
         in_block[start:end] = True
         while (rows := canvas.rows_in_block(block)).numel():
             info = two_stream_round(state, rows, in_block, temperature, bind_rows(generator, rows), stats,
-                                    order=order, window=window)
+                                    order=order, window=window, tree=(draft_candidates, candidates_below))
             canvas.stop_at_eos(rows)
             state.cache.compact(min_unused=0.25)  # rejected drafts pile up within a long block
             if callback is not None:
@@ -107,14 +113,17 @@ def decode(model, prompt, gen_length, *, temperature, generator, stats: DecodeSt
 
 
 def two_stream_round(state: _Decoding, rows, in_block, temperature, generator, stats: DecodeStats, *,
-                     order: str, window: int) -> dict:
-    """One draft-verify-reveal round (or one sequential step) for ``rows`` [R]; see the module docstring."""
+                     order: str, window: int, tree: tuple[int, float | None] = (1, None)) -> dict:
+    """One draft-verify-reveal round (or one sequential step) for ``rows`` [R]; see the module docstring.
+    ``tree`` = (draft_candidates, candidates_below): with more than one candidate, a draft tree (``_Tree``)."""
     x, mask_id = state.canvas.x[rows], state.mask_id
     n = rows.numel()
     index = torch.arange(n, device=x.device)
     candidates = (x == mask_id) & in_block[None, :]  # [R, L]
     positions, count, drafts, window_logits = _drafts(state, rows, candidates, temperature, generator, order, window)
     width = positions.shape[1]
+    branches = _Tree.grow(drafts, window_logits, count, positions, candidates, window, *tree, temperature,
+                          generator) if tree[0] > 1 and width else None
 
     ids, pos, valid = state.pending
     ids, pos, valid = ids[rows], pos[rows], valid[rows]
@@ -124,11 +133,19 @@ def two_stream_round(state: _Decoding, rows, in_block, temperature, generator, s
     content_valid = torch.cat([valid, torch.arange(width, device=x.device)[None, :] < count[:, None]], dim=1)
     q_col, q_copy, q_valid = _queries(x, candidates, positions, count, order, window, mask_id)
     sees = k_pending + torch.minimum(q_copy, count[:, None])  # lookahead (copy W + 1) sees every valid draft
-    logits = state.model.streams(content_ids, content_pos, content_valid, state.positions[rows].gather(1, q_col),
-                                 sees, cache=state.cache, rows=rows, append=True,
-                                 hidden=state.head is not None)  # [R, Q, V], counted once
+    q_all, sees_all, extra = q_col, sees, {}
+    if branches is not None:  # the siblings join the content, their queries the call's
+        content_ids, content_pos, content_valid, q_all, sees_all, extra = branches.inputs(
+            content_ids, content_pos, content_valid, q_col, sees, k_pending)
+    logits = state.model.streams(content_ids, content_pos, content_valid, state.positions[rows].gather(1, q_all),
+                                 sees_all, cache=state.cache, rows=rows, append=True,
+                                 hidden=state.head is not None, **extra)  # [R, Q, V], counted once
     logits, features = logits if state.head is not None else (logits, None)
     logits = forbid_token(logits, mask_id)
+    verify = {}
+    if branches is not None:  # split the siblings' queries off
+        logits, features = branches.split(logits, features, q_col.shape[1])
+        verify = {"alternatives": branches.alternatives, "leaf_logits": branches.leaf_logits()}
 
     # Each copy's pick: the position sequential reveals next after d_<k, from that copy's own queries.
     if order == "left_to_right":
@@ -147,7 +164,7 @@ def two_stream_round(state: _Decoding, rows, in_block, temperature, generator, s
     has_bonus = picks[index, num_drafts] >= 0
     target_logits = logits[index[:, None], slot]  # [R, W + 1, V]: copy k at its pick (= s_k while k < num_drafts)
     outcome = rejection_sample(drafts, window_logits, target_logits, num_drafts, temperature=temperature,
-                               has_bonus=has_bonus, noise=Noise(generator=generator))
+                               has_bonus=has_bonus, noise=Noise(generator=generator), **verify)
     if window:
         stats.count_verification(num_drafts, outcome.num_accepted, outcome.num_emitted)
     else:
@@ -158,16 +175,125 @@ def two_stream_round(state: _Decoding, rows, in_block, temperature, generator, s
     new_x = x.clone()
     new_x[index[:, None].expand_as(hit)[hit], emitted[hit]] = outcome.tokens[hit]
     state.canvas.x[rows] = new_x
-    keep = torch.arange(width, device=x.device)[None, :] < outcome.num_accepted[:, None]
-    state.cache.keep(rows, torch.cat([valid, keep], dim=1))
+    # The chain's accepted drafts stay cached (those before an accepted sibling, which stays too).
+    took = outcome.branch > 0 if branches is not None else torch.zeros_like(has_bonus)
+    chain = outcome.num_accepted - took.long()
+    keep = [valid, torch.arange(width, device=x.device)[None, :] < chain[:, None]]
+    if branches is not None:
+        keep.append(branches.taken(outcome.branch, chain))
+    state.cache.keep(rows, torch.cat(keep, dim=1))
     _set_pending(state, rows, outcome, emitted)
     if window:
-        _store_drafts(state, rows, logits, features, q_col, q_copy, q_valid, outcome.num_accepted, count)
+        _store_drafts(state, rows, logits, features, q_col, q_copy, q_valid, chain, count)
+        if branches is not None:
+            branches.store(state, rows, outcome.branch, chain)
     info = {"revealed": emitted}
     if window:
         info.update(window=positions, drafts=drafts, num_drafts=num_drafts, num_accepted=outcome.num_accepted,
                     target_logits=target_logits)
     return info
+
+
+class _Tree:
+    """A round's draft tree, left to right: at each depth j up to A = ``draft_candidates`` - 1 siblings of
+    d_j, drawn without replacement from the law d_j was drawn from (``more_candidates``; with ``below``,
+    only where d_j's temperature-1 probability is below it). A sibling is a content token revealed right
+    after d_<j, and brings W + 1 queries that see d_<j and the sibling: its leaf at s_{j+1} (the target
+    after the sibling, for the recursive rule in ``dllm.kernels.verify``, which accepts at most one sibling)
+    and the next W masked positions. These are the next round's draft logits when the sibling is taken:
+    like the lookahead after a full window, they saw every token but the leaf's, which a head reads as its
+    pending token (without them the next round would draft from queries that saw the rejected branch).
+    Siblings are packed per row (S = the most any row has): the call feeds S (W + 2) more tokens."""
+
+    def __init__(self, alternatives, depth, alt, tokens, columns):
+        self.alternatives = alternatives  # [R, W, A] (-1: none), as the verifier takes them
+        self.depth, self.alt, self.tokens = depth, alt, tokens  # [R, S] per packed sibling (token -1: empty)
+        self.columns = columns  # [R, S, W + 1] its queries' canvas columns (-1: none), the leaf's first
+        self.logits: torch.Tensor | None = None  # [R, S, W + 1, V] after the call
+        self.features: torch.Tensor | None = None
+
+    @classmethod
+    def grow(cls, drafts, window_logits, count, positions, masked, window, candidates, below, temperature,
+             generator) -> _Tree | None:
+        """The siblings of this round's drafts (None when no row has one)."""
+        n, width = drafts.shape
+        device = drafts.device
+        alternatives = more_candidates(Draft(drafts, window_logits, count), candidates - 1, temperature, generator,
+                                       torch.arange(n, device=device), below)  # [R, W, A]
+        # The W + 1 masked columns after each s_j in position order: the leaf's, then the lookahead's.
+        length = masked.shape[1]
+        rank = masked.long().cumsum(dim=1) - 1  # [R, L] a masked column's rank among its row's
+        by_rank = torch.where(masked, torch.arange(length, device=device), length).sort(dim=1).values
+        at = rank.gather(1, positions)[:, :, None] + 1 + torch.arange(window + 1, device=device)  # [R, W, W + 1]
+        inside = at < masked.sum(dim=1)[:, None, None]
+        columns = torch.where(inside, by_rank.gather(1, at.clamp(max=length - 1).flatten(1)).view_as(at), -1)
+        live = (alternatives >= 0) & (columns[:, :, :1] >= 0)  # a sibling needs a leaf
+        alternatives = torch.where(live, alternatives, -1)
+        flat = live.flatten(1)  # [R, W A], depth-major
+        per_row = flat.sum(dim=1)
+        size = int(per_row.max())
+        if size == 0:
+            return None
+        r, f = flat.nonzero(as_tuple=True)
+        slot = torch.arange(r.numel(), device=device) - (per_row.cumsum(0) - per_row)[r]
+        count_alt = alternatives.shape[2]
+        depth = torch.zeros((n, size), dtype=torch.long, device=device)
+        alt, tokens = torch.zeros_like(depth), torch.full_like(depth, -1)
+        cols = torch.full((n, size, window + 1), -1, dtype=torch.long, device=device)
+        depth[r, slot], alt[r, slot] = f // count_alt, f % count_alt
+        tokens[r, slot] = alternatives.flatten(1)[r, f]
+        cols[r, slot] = columns[r, f // count_alt]
+        return cls(alternatives, depth, alt, tokens, cols)
+
+    def inputs(self, content_ids, content_pos, content_valid, q_col, sees, k_pending: int):
+        """The call's content and queries with the siblings' -> (content ids, positions, valid, query columns,
+        prefix each query sees, the ``streams`` keywords ``content_sees`` and ``query_extra``)."""
+        n, width = content_ids.shape
+        size, per = self.columns.shape[1:]
+        device = content_ids.device
+        before = k_pending + self.depth  # [R, S] the content a sibling (and its queries) sees: pending, d_<j
+        content_sees = torch.cat([torch.arange(1, width + 1, device=device).expand(n, -1), before], dim=1)
+        extra = torch.cat([torch.full_like(q_col, -1),
+                           (width + torch.arange(size, device=device)).repeat_interleave(per).expand(n, -1)], dim=1)
+        return (torch.cat([content_ids, self.tokens.clamp(min=0)], dim=1),
+                torch.cat([content_pos, content_pos.gather(1, before)], dim=1),  # at s_j, as d_j
+                torch.cat([content_valid, self.tokens >= 0], dim=1),
+                torch.cat([q_col, self.columns.flatten(1).clamp(min=0)], dim=1),
+                torch.cat([sees, before.repeat_interleave(per, dim=1)], dim=1),
+                {"content_sees": content_sees, "query_extra": extra})
+
+    def split(self, logits, features, chain_queries: int):
+        """Keep the siblings' query outputs; return the chain's (logits, features)."""
+        size, per = self.columns.shape[1:]
+        self.logits = logits[:, chain_queries:].unflatten(1, (size, per))
+        if features is not None:
+            self.features = features[:, chain_queries:].unflatten(1, (size, per))
+            features = features[:, :chain_queries]
+        return logits[:, :chain_queries], features
+
+    def leaf_logits(self) -> torch.Tensor:
+        """The target after each alternative -> [R, W, A, V] (zeros where there is none)."""
+        n, width, count = self.alternatives.shape
+        out = self.logits.new_zeros((n, width, count, self.logits.shape[-1]))
+        r, s = (self.tokens >= 0).nonzero(as_tuple=True)
+        out[r, self.depth[r, s], self.alt[r, s]] = self.logits[r, s, 0]
+        return out
+
+    def taken(self, branch, chain) -> torch.Tensor:
+        """The accepted sibling (at depth ``chain``, alternative ``branch`` - 1) -> [R, S] bool."""
+        return ((self.tokens >= 0) & (branch > 0)[:, None] & (self.depth == chain[:, None])
+                & (self.alt == (branch - 1)[:, None]))
+
+    def store(self, state: _Decoding, rows, branch, chain) -> None:
+        """After an accepted sibling, its lookahead queries are the next round's draft logits (and features)."""
+        r, s = self.taken(branch, chain).nonzero(as_tuple=True)
+        cols = self.columns[r, s, 1:]  # [k, W]
+        ok = cols >= 0
+        at_rows = rows[r][:, None].expand_as(cols)[ok]
+        state.draft_logits[at_rows, cols[ok] - state.start] = self.logits[r, s, 1:][ok]
+        if self.features is not None:
+            state.draft_features[at_rows, cols[ok] - state.start] = self.features[r, s, 1:][ok]
+        state.have[at_rows, cols[ok]] = True
 
 
 def _drafts(state, rows, candidates, temperature, generator, order, window):

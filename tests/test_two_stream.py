@@ -274,7 +274,8 @@ def test_shipped_two_stream_model_greedy_fef_is_sequential():
     for problem in heldout_set()[:3]:
         prompt = torch.tensor([tokenizer(format_example(problem["question"]), add_special_tokens=False)["input_ids"]])
         runs = [dllm.generate(shipped, prompt, sampler=s, max_new_tokens=32, temperature=0, **o)
-                for s, o in (("sequential", {}), ("fef", {"window": 4}), ("fef", {"window": 4, "block_length": 32}))]
+                for s, o in (("sequential", {}), ("fef", {"window": 4}), ("fef", {"window": 4, "block_length": 32}),
+                             ("fef", {"window": 8, "draft": "head", "draft_candidates": 2, "candidates_below": 0.9}))]
         assert runs[1].exact and all(torch.equal(runs[0].sequences, r.sequences) for r in runs[1:])
 
 
@@ -549,3 +550,127 @@ def test_pairs_split_holds_out_the_last_pairs(tmp_path):
     train, held = data.split(2)
     assert len(train.examples) == 4 and held == data.examples[4:]
     assert not {id(e) for step in range(4) for e in train.step_examples(0, step, 2)} & {id(e) for e in held}
+
+
+# ---- fef's draft trees on this layout (draft_candidates; samplers/two_stream.py: _Tree) ----
+
+def _branches(monkeypatch):
+    """Spy on the verifier: how many rows accepted a sibling (a list, appended per round)."""
+    import dllm.samplers.two_stream as two_stream
+
+    taken, real = [], two_stream.rejection_sample
+
+    def spy(*args, **kwargs):
+        outcome = real(*args, **kwargs)
+        if outcome.branch is not None:
+            taken.append(int((outcome.branch > 0).sum()))
+        return outcome
+
+    monkeypatch.setattr(two_stream, "rejection_sample", spy)
+    return taken
+
+
+@pytest.mark.parametrize("draft,candidates,below,window,temperature,block_length", [
+    ("marginal", 2, None, 4, 1.0, 2),
+    ("marginal", 3, None, 2, 0.7, 4),
+    ("marginal", 2, 0.9, 4, 1.0, 4),
+    ("head", 2, None, 4, 1.0, 4),
+    ("head", 3, None, 4, 0.7, 2),
+    ("head", 2, 0.9, 3, 0.7, 4),
+])
+def test_fef_draft_trees_are_exact(model, monkeypatch, draft, candidates, below, window, temperature, block_length):
+    """Siblings of each draft, verified in the same call by the recursive rule, keep the chain's law; the
+    spy shows siblings were taken (the tree did something)."""
+    taken = _branches(monkeypatch)
+    law = enumerated_law(model, PROMPT, 4, temperature, "left_to_right", block_length)
+    # A milder random head with candidates_below: the sharp one is too sure to get siblings there.
+    head = {"draft_head": _random_head(model, scale=3.0 if below is None else 0.5)} if draft == "head" else {}
+    out = _sample(model, "fef", 3000, temperature, "left_to_right", block_length, window=window, draft=draft,
+                  draft_candidates=candidates, candidates_below=below, **head)
+    assert out.exact and sum(taken) > 100
+    assert chi_square_pvalue(out.sequences[:, 3:], law) > ALPHA
+
+
+def test_a_sibling_whose_queries_do_not_see_it_fails(model, monkeypatch):
+    """The test has power: leaf queries that miss their sibling (so the token after it is drawn from the
+    target after the chain's prefix instead) are not the chain."""
+    import dllm.samplers.two_stream as two_stream
+
+    real = two_stream._Tree.inputs
+
+    def blind(self, *args):
+        *inputs, extra = real(self, *args)
+        return (*inputs, {**extra, "query_extra": torch.full_like(extra["query_extra"], -1)})
+
+    monkeypatch.setattr(two_stream._Tree, "inputs", blind)
+    law = enumerated_law(model, PROMPT, 4, 1.0, "left_to_right", 4)
+    out = _sample(model, "fef", 3000, 1.0, "left_to_right", 4, window=4, draft_candidates=2)
+    assert chi_square_pvalue(out.sequences[:, 3:], law) < ALPHA
+
+
+@pytest.mark.parametrize("options", [{"draft_candidates": 2}, {"draft_candidates": 3},
+                                     {"draft_candidates": 2, "candidates_below": 0.9, "draft": "head"}])
+def test_greedy_fef_with_trees_equals_greedy_sequential(model, options):
+    """Token for token, with left padding and EOS stops in the batch."""
+    prompts = [[1, 3, 0], [2, 1], [0, 1, 3, 3], [3]]
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    head = {"draft_head": _random_head(model)} if options.get("draft") == "head" else {}
+    common = dict(max_new_tokens=8, temperature=0, eos_token_id=0, block_length=4, attention_mask=mask)
+    with torch.no_grad():
+        reference = dllm.generate(model, ids, sampler="sequential", **common).sequences
+        tree = dllm.generate(model, ids, sampler="fef", window=3, **options, **head, **common).sequences
+    assert torch.equal(reference, tree)
+
+
+def test_after_a_taken_sibling_the_next_window_drafts_from_queries_that_saw_it(model, monkeypatch):
+    """The sibling's own lookahead queries become the stored draft logits: equal to an uncached call that
+    sees every revealed token but the pending one (what the chain's lookahead gives after a full window)."""
+    import dllm.samplers.two_stream as two_stream
+
+    real, verify, checked, branches = two_stream.two_stream_round, two_stream.rejection_sample, [], []
+
+    def spy(*args, **kwargs):
+        outcome = verify(*args, **kwargs)
+        branches.append(outcome.branch)
+        return outcome
+
+    def checking(state, rows, *args, **kwargs):
+        info = real(state, rows, *args, **kwargs)
+        branch = branches[-1] if branches else None
+        for i, row in enumerate(rows.tolist()):
+            if branch is None or not branch[i] or not bool((state.canvas.x[row] == MASK).any()):
+                continue
+            x = state.canvas.x[row]
+            seen = x != MASK
+            seen[int(state.last_col[row])] = False  # the pending token: no stored query saw it
+            cols = ((x == MASK) & state.have[row]).nonzero().squeeze(-1)[:3]  # the next window (w3)
+            pos = state.positions[row : row + 1]
+            with torch.no_grad():
+                fresh = model.streams(x[None], pos, seen[None], pos[:, cols], torch.full((1, cols.numel()), x.numel()))
+            stored = state.draft_logits[row, cols - state.start]
+            torch.testing.assert_close(torch.softmax(forbid_token(fresh[0], MASK), -1), torch.softmax(stored, -1),
+                                       atol=1e-5, rtol=1e-4)
+            checked.append(row)
+        return info
+
+    monkeypatch.setattr(two_stream, "two_stream_round", checking)
+    monkeypatch.setattr(two_stream, "rejection_sample", spy)
+    with torch.no_grad():
+        dllm.generate(model, PROMPT[None].expand(32, -1), sampler="fef", max_new_tokens=12, temperature=1.0,
+                      generator=torch.Generator().manual_seed(0), eos_token_id=None, window=3, draft_candidates=3)
+    assert len(checked) > 20
+
+
+def test_tree_refusals_name_the_option(model):
+    block = TransformerLM(TransformerConfig(vocab_size=VOCAB, dim=16, n_layers=1, n_heads=2, max_seq_len=64,
+                                            layout="bidirectional", mask_token_id=MASK)).eval()
+    with pytest.raises(ValueError, match="draft_candidates=2 .*two-stream"):
+        _sample(block, "fef", 1, 1.0, "left_to_right", 4, draft_candidates=2)
+    with pytest.raises(ValueError, match="draft_candidates=2 runs with order='left_to_right' only"):
+        _sample(model, "fef", 1, 1.0, "confidence", 4, draft_candidates=2)
+    with pytest.raises(ValueError, match="candidates_below .*needs draft_candidates > 1"):
+        _sample(model, "fef", 1, 1.0, "left_to_right", 4, candidates_below=0.5)
+    with pytest.raises(ValueError, match="draft_candidates"):
+        _sample(model, "fef", 1, 1.0, "left_to_right", 4, draft_candidates=0)

@@ -137,17 +137,23 @@ class TwoStreamLM(nn.Module):
         rows: Tensor | None = None,  # [R] cache rows (default all)
         append: bool = False,
         hidden: bool = False,
+        content_sees: Tensor | None = None,  # [R, C] content i sees this call's content j < content_sees[i] (default i + 1)
+        query_extra: Tensor | None = None,  # [R, Q] one more content token a query sees (-1: none)
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Query logits [R, Q, V]: the token at query_pos given cache + content[:sees]; with ``append`` the
         content's keys/values join the cache (tentatively: ``RevealCache.keep`` drops rejected ones).
-        ``hidden``: ``(logits, features [R, Q, dim])``, the final-normed query states (a draft head's input)."""
+        ``hidden``: ``(logits, features [R, Q, dim])``, the final-normed query states (a draft head's input).
+
+        A draft tree (samplers/two_stream.py) puts the sibling of draft d_j after the chain with
+        ``content_sees`` = the content before d_j, so it is revealed right after d_<j, and the queries after
+        the sibling see that prefix plus the sibling (``query_extra``)."""
         n, width = content_ids.shape
         if rows is None:
             rows = torch.arange(n, device=content_ids.device)
         past = cache.rows(rows) if cache is not None else None
         tokens = torch.cat([content_ids, torch.full_like(query_pos, self.mask_token_id)], dim=1)
         positions = torch.cat([content_pos, query_pos], dim=1)
-        mask = _stream_mask(content_valid, query_sees)  # [R, C + Q, C + Q]
+        mask = _stream_mask(content_valid, query_sees, content_sees, query_extra)  # [R, C + Q, C + Q]
         if past is not None and past.length:
             mask = torch.cat([past.valid[:, None, :].expand(-1, mask.shape[1], -1), mask], dim=2)
         h, new_kv = self.base.layer_states(tokens, positions, rearrange(mask, "b q k -> b 1 q k"), past)
@@ -199,17 +205,24 @@ def is_two_stream_folder(folder: str | Path) -> bool:
     return (Path(folder) / MARKER).exists()
 
 
-def _stream_mask(content_valid: Tensor, query_sees: Tensor) -> Tensor:
+def _stream_mask(content_valid: Tensor, query_sees: Tensor, content_sees: Tensor | None = None,
+                 query_extra: Tensor | None = None) -> Tensor:
     """Who attends to whom among this call's tokens (True = attend).  # [R, C + Q, C + Q]
 
-    Content i sees valid content j <= i; query q sees valid content j < sees[q] and itself. Every token
-    sees itself, so no row of the mask is empty (invalid entries' outputs are never read).
+    Content i sees valid content j <= i (j < content_sees[i] when given); query q sees valid content
+    j < sees[q], content query_extra[q] (when given and >= 0) and itself. Every token sees itself, so no
+    row of the mask is empty (invalid entries' outputs are never read).
     """
     n, width = content_valid.shape
     num_queries = query_sees.shape[1]
     j = torch.arange(width, device=content_valid.device)
-    content_rows = (j[None, :, None] >= j[None, None, :]) & content_valid[:, None, :]  # [R, C, C]
+    if content_sees is None:
+        content_rows = (j[None, :, None] >= j[None, None, :]) & content_valid[:, None, :]  # [R, C, C]
+    else:
+        content_rows = (j[None, None, :] < content_sees[:, :, None]) & content_valid[:, None, :]
     query_rows = (j[None, None, :] < query_sees[:, :, None]) & content_valid[:, None, :]  # [R, Q, C]
+    if query_extra is not None:
+        query_rows |= (j[None, None, :] == query_extra[:, :, None]) & content_valid[:, None, :]
     eye_c = torch.eye(width, dtype=torch.bool, device=content_valid.device).expand(n, -1, -1)
     eye_q = torch.eye(num_queries, dtype=torch.bool, device=content_valid.device).expand(n, -1, -1)
     top = torch.cat([content_rows | eye_c, torch.zeros(n, width, num_queries, dtype=torch.bool,
