@@ -78,8 +78,8 @@ def test_bad_input_is_one_line_naming_the_parameter(capsys):
     assert _one_line_exit(["generate", "--demo", "--option", "window=0", "--max-new-tokens", "4"], capsys) == \
         "dllm generate: window must be >= 1, got 0"
     # fef's draft trees need the two-stream layout's one-call verifier; the demo oracle verifies with copies
-    assert _one_line_exit(["generate", "--demo", "--option", "draft_candidates=2", "--max-new-tokens", "4"],
-                          capsys).startswith("dllm generate: draft_candidates=2 verifies a draft tree in the two-stream")
+    message = _one_line_exit(["generate", "--demo", "--option", "draft_candidates=2", "--max-new-tokens", "4"], capsys)
+    assert message.startswith("dllm generate: draft_candidates=2 verifies a draft tree in the two-stream")
 
 
 # ---------------------------------------------------------------- options read by what the option expects

@@ -137,7 +137,7 @@ class TwoStreamLM(nn.Module):
         rows: Tensor | None = None,  # [R] cache rows (default all)
         append: bool = False,
         hidden: bool = False,
-        content_sees: Tensor | None = None,  # [R, C] content i sees this call's content j < content_sees[i] (default i + 1)
+        content_sees: Tensor | None = None,  # [R, C] content i sees this call's j < content_sees[i] (default i + 1)
         query_extra: Tensor | None = None,  # [R, Q] one more content token a query sees (-1: none)
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Query logits [R, Q, V]: the token at query_pos given cache + content[:sees]; with ``append`` the
