@@ -118,13 +118,14 @@ def sample_more(logits: torch.Tensor, taken: torch.Tensor, count: int, temperatu
     Draw i is distributed as softmax(logits / T) with ``taken`` and draws 0..i-1 removed and renormalised
     (the Gumbel-top-k race, Kool et al. 2019); T = 0 takes the next-highest logits, ties to the lower id.
     """
-    out = torch.empty((logits.shape[0], count), dtype=torch.long, device=logits.device)
+    out = torch.full((logits.shape[0], count), -1, dtype=torch.long, device=logits.device)
+    width = min(count, logits.shape[1])  # more draws than tokens: the rest are -1
     scored = _gumbel_chunks(logits.double() / temperature, generator) if temperature > 0 else [(0, logits.double())]
     for start, scores in scored:
         rows = slice(start, start + scores.shape[0])
         scores = scores.scatter(1, taken[rows, None], float("-inf"))
         values, order = torch.sort(scores, dim=1, descending=True, stable=True)
-        out[rows] = torch.where(torch.isneginf(values[:, :count]), -1, order[:, :count])
+        out[rows, :width] = torch.where(torch.isneginf(values[:, :width]), -1, order[:, :width])
     return out
 
 

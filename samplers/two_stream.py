@@ -214,8 +214,9 @@ class _Tree:
 
     @classmethod
     def grow(cls, drafts, window_logits, count, positions, masked, window, candidates, below, temperature,
-             generator) -> _Tree | None:
-        """The siblings of this round's drafts (None when no row has one)."""
+             generator) -> _Tree:
+        """The siblings of this round's drafts. A round where no row has one still goes through the tree
+        rule (with no siblings), so that each row's random draws do not depend on its batch mates."""
         n, width = drafts.shape
         device = drafts.device
         alternatives = more_candidates(Draft(drafts, window_logits, count), candidates - 1, temperature, generator,
@@ -232,8 +233,6 @@ class _Tree:
         flat = live.flatten(1)  # [R, W A], depth-major
         per_row = flat.sum(dim=1)
         size = int(per_row.max())
-        if size == 0:
-            return None
         r, f = flat.nonzero(as_tuple=True)
         slot = torch.arange(r.numel(), device=device) - (per_row.cumsum(0) - per_row)[r]
         count_alt = alternatives.shape[2]

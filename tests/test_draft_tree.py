@@ -152,6 +152,15 @@ def test_full_vocabulary_tree_never_corrects(temperature):
     assert bool((result.branch > 0).any())
 
 
+def test_more_candidates_than_tokens_are_none():
+    """Asking for more draws than the vocabulary holds gives every other token once, then -1 (no error)."""
+    logits = torch.randn(3, VOCAB)
+    more = sample_more(logits, torch.tensor([0, 1, 2]), VOCAB + 2, 1.0, torch.Generator().manual_seed(0))
+    assert more.shape == (3, VOCAB + 2) and bool((more[:, VOCAB - 1 :] == -1).all())
+    for row, taken in enumerate([0, 1, 2]):
+        assert sorted(more[row, : VOCAB - 1].tolist()) == [t for t in range(VOCAB) if t != taken]
+
+
 @pytest.mark.parametrize("cache", ["auto", "none"])
 @pytest.mark.parametrize("candidates", [2, 3])
 def test_tree_greedy_equals_ar(target, drafters, cache, candidates):

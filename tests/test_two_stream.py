@@ -570,17 +570,19 @@ def _branches(monkeypatch):
     return taken
 
 
-@pytest.mark.parametrize("draft,candidates,below,window,temperature,block_length", [
-    ("marginal", 2, None, 4, 1.0, 2),
-    ("marginal", 3, None, 2, 0.7, 4),
-    ("marginal", 2, 0.9, 4, 1.0, 4),
-    ("head", 2, None, 4, 1.0, 4),
-    ("head", 3, None, 4, 0.7, 2),
-    ("head", 2, 0.9, 3, 0.7, 4),
+@pytest.mark.parametrize("draft,candidates,below,window,temperature", [
+    ("marginal", 2, None, 4, 1.0),
+    ("marginal", 3, None, 2, 0.7),
+    ("marginal", 2, 0.9, 4, 1.0),
+    ("head", 2, None, 4, 1.0),
+    ("head", 3, None, 4, 0.7),
+    ("head", 2, 0.9, 3, 0.7),
 ])
-def test_fef_draft_trees_are_exact(model, monkeypatch, draft, candidates, below, window, temperature, block_length):
+def test_fef_draft_trees_are_exact(model, monkeypatch, draft, candidates, below, window, temperature):
     """Siblings of each draft, verified in the same call by the recursive rule, keep the chain's law; the
-    spy shows siblings were taken (the tree did something)."""
+    spy shows siblings were taken (the tree did something). Left to right, the blocks do not change the law
+    and the decoder runs the answer as one block, so block_length is not varied."""
+    block_length = 4
     taken = _branches(monkeypatch)
     law = enumerated_law(model, PROMPT, 4, temperature, "left_to_right", block_length)
     # A milder random head with candidates_below: the sharp one is too sure to get siblings there.
@@ -609,24 +611,30 @@ def test_a_sibling_whose_queries_do_not_see_it_fails(model, monkeypatch):
 
 
 @pytest.mark.parametrize("options", [{"draft_candidates": 2}, {"draft_candidates": 3},
-                                     {"draft_candidates": 2, "candidates_below": 0.9, "draft": "head"}])
-def test_greedy_fef_with_trees_equals_greedy_sequential(model, options):
-    """Token for token, with left padding and EOS stops in the batch."""
-    prompts = [[1, 3, 0], [2, 1], [0, 1, 3, 3], [3]]
+                                     {"draft_candidates": 2, "candidates_below": 0.9, "draft": "head"},
+                                     {"draft_candidates": VOCAB + 3}])
+def test_greedy_fef_with_trees_equals_greedy_sequential(model, monkeypatch, options):
+    """Token for token, with left padding and EOS stops in the batch (siblings were taken: the spy); more
+    candidates than tokens is every token."""
+    taken = _branches(monkeypatch)
+    prompts = [[1, 3, 0], [2, 1], [0, 1, 3, 3], [3], [2, 2, 1], [0, 3], [1, 1, 1], [3, 0]] * 2
     width = max(map(len, prompts))
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     head = {"draft_head": _random_head(model)} if options.get("draft") == "head" else {}
-    common = dict(max_new_tokens=8, temperature=0, eos_token_id=0, block_length=4, attention_mask=mask)
+    common = dict(max_new_tokens=12, temperature=0, eos_token_id=0, block_length=4, attention_mask=mask)
     with torch.no_grad():
         reference = dllm.generate(model, ids, sampler="sequential", **common).sequences
         tree = dllm.generate(model, ids, sampler="fef", window=3, **options, **head, **common).sequences
     assert torch.equal(reference, tree)
+    assert sum(taken) >= 5
 
 
-def test_after_a_taken_sibling_the_next_window_drafts_from_queries_that_saw_it(model, monkeypatch):
-    """The sibling's own lookahead queries become the stored draft logits: equal to an uncached call that
-    sees every revealed token but the pending one (what the chain's lookahead gives after a full window)."""
+@pytest.mark.parametrize("draft", ["marginal", "head"])
+def test_after_a_taken_sibling_the_next_window_drafts_from_queries_that_saw_it(model, monkeypatch, draft):
+    """The sibling's own lookahead queries become the stored draft logits (and, with a head, features): equal
+    to an uncached call that sees every revealed token but the pending one (what the chain's lookahead gives
+    after a full window)."""
     import dllm.samplers.two_stream as two_stream
 
     real, verify, checked, branches = two_stream.two_stream_round, two_stream.rejection_sample, [], []
@@ -648,18 +656,24 @@ def test_after_a_taken_sibling_the_next_window_drafts_from_queries_that_saw_it(m
             cols = ((x == MASK) & state.have[row]).nonzero().squeeze(-1)[:3]  # the next window (w3)
             pos = state.positions[row : row + 1]
             with torch.no_grad():
-                fresh = model.streams(x[None], pos, seen[None], pos[:, cols], torch.full((1, cols.numel()), x.numel()))
+                fresh, features = model.streams(x[None], pos, seen[None], pos[:, cols],
+                                                torch.full((1, cols.numel()), x.numel()), hidden=True)
             stored = state.draft_logits[row, cols - state.start]
             torch.testing.assert_close(torch.softmax(forbid_token(fresh[0], MASK), -1), torch.softmax(stored, -1),
                                        atol=1e-5, rtol=1e-4)
+            if state.draft_features is not None:
+                torch.testing.assert_close(features[0], state.draft_features[row, cols - state.start],
+                                           atol=1e-5, rtol=1e-4)
             checked.append(row)
         return info
 
     monkeypatch.setattr(two_stream, "two_stream_round", checking)
     monkeypatch.setattr(two_stream, "rejection_sample", spy)
     with torch.no_grad():
+        head = {"draft": "head", "draft_head": _random_head(model, scale=0.5)} if draft == "head" else {}
         dllm.generate(model, PROMPT[None].expand(32, -1), sampler="fef", max_new_tokens=12, temperature=1.0,
-                      generator=torch.Generator().manual_seed(0), eos_token_id=None, window=3, draft_candidates=3)
+                      generator=torch.Generator().manual_seed(0), eos_token_id=None, window=3, draft_candidates=3,
+                      **head)
     assert len(checked) > 20
 
 
@@ -674,3 +688,23 @@ def test_tree_refusals_name_the_option(model):
         _sample(model, "fef", 1, 1.0, "left_to_right", 4, candidates_below=0.5)
     with pytest.raises(ValueError, match="draft_candidates"):
         _sample(model, "fef", 1, 1.0, "left_to_right", 4, draft_candidates=0)
+
+
+@pytest.mark.parametrize("options", [{"draft_candidates": 2, "candidates_below": 0.6},
+                                     {"draft_candidates": 3, "candidates_below": 0.9, "draft": "head"}])
+def test_tree_rows_are_batch_invariant(model, options):
+    """With one generator per row, a row's tree draws do not depend on its batch mates, also in rounds where
+    some rows have no sibling (candidates_below, or no leaf left) and others do."""
+    prompts = [[1, 3, 0], [2, 1], [0, 1, 3, 3], [3], [2, 2, 1], [0, 0]] * 4
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    head = {"draft_head": _random_head(model, scale=0.5)} if options.get("draft") == "head" else {}
+    common = dict(sampler="fef", max_new_tokens=10, temperature=1.0, eos_token_id=None, window=3, **options, **head)
+    with torch.no_grad():
+        batch = dllm.generate(model, ids, attention_mask=mask, **common,
+                              generator=[torch.Generator().manual_seed(100 + i) for i in range(len(prompts))])
+        for row, prompt in enumerate(prompts):
+            alone = dllm.generate(model, torch.tensor([prompt]), **common,
+                                  generator=[torch.Generator().manual_seed(100 + row)])
+            assert torch.equal(batch.sequences[row, width:], alone.sequences[0, len(prompt):]), row
