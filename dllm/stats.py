@@ -163,6 +163,9 @@ class StepEvent:
     drafts: torch.Tensor | None = None  # [R, W] draft tokens proposed this round (fef, ar_spec)
     num_drafts: torch.Tensor | None = None  # [R] drafts proposed per row
     num_accepted: torch.Tensor | None = None  # [R] drafts accepted per row
+    # [R] a draft tree's taken sibling: 0 none, a > 0 the a-th sibling of depth num_accepted - 1, which then
+    # stands where the chain's (rejected) draft of that depth was (draft_candidates > 1)
+    branch: torch.Tensor | None = None
     # [R, W(+1), V] the logits verification tested draft j against (row j; then the bonus row): the
     # target's own logits, before any temperature (fef, ar_spec)
     target_logits: torch.Tensor | None = None

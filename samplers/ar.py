@@ -145,7 +145,7 @@ def ar_spec(
         lengths[rows] += emitted
         if callback is not None:
             callback(StepEvent("ar_spec", rows, seq[rows], drafts=drafts, num_drafts=num_drafts,
-                               num_accepted=outcome.num_accepted, target_logits=target))
+                               num_accepted=outcome.num_accepted, target_logits=target, branch=outcome.branch))
         # Tokens every row holds for sure and the caches may keep: those before the last emitted one; after an
         # accepted alternative, before it (the caches hold the chain's draft at its position).
         held = lengths[rows] - 1 - (outcome.branch > 0).long() if outcome.branch is not None else lengths[rows] - 1

@@ -190,7 +190,7 @@ def two_stream_round(state: _Decoding, rows, in_block, temperature, generator, s
     info = {"revealed": emitted}
     if window:
         info.update(window=positions, drafts=drafts, num_drafts=num_drafts, num_accepted=outcome.num_accepted,
-                    target_logits=target_logits)
+                    target_logits=target_logits, branch=outcome.branch)
     return info
 
 

@@ -45,6 +45,26 @@ def test_hand_built_fef_round_is_classified():
     assert round_.summary == "4 drafted, 1 accepted, +1"
 
 
+def test_a_taken_sibling_is_shown_in_place_of_the_rejected_draft():
+    """A draft tree's round (branch > 0): the sibling is the last accepted token and notes the chain's draft
+    it replaced; the leaf's token after it is a bonus, not a correction of the draft there."""
+    mask = 9
+    event = StepEvent(**{"sampler": "fef", "rows": torch.tensor([0]), "offset": 2,
+             "x": torch.tensor([[1, 1, 7, 5, 6, mask]]), "window": torch.tensor([[2, 3, 4, 5]]),
+             "drafts": torch.tensor([[7, 8, 3, 4]]), "num_drafts": torch.tensor([4]),
+             "num_accepted": torch.tensor([2]), "branch": torch.tensor([1]),
+             "revealed": torch.tensor([[2, 3, 4, -1, -1]])})
+    (round_,) = trace_rounds([event], mask_token_id=mask)
+    cells = [(c.token, c.kind, c.note) for c in round_.cells]
+    assert cells == [(7, "accepted", None), (5, "accepted", 8), (6, "fixed", None), (4, "rejected", None)]
+    ar = StepEvent("ar_spec", torch.tensor([0]), torch.tensor([[1, 1, 7, 5, 6]]), drafts=torch.tensor([[7, 8, 3, 4]]),
+                   num_drafts=torch.tensor([4]), num_accepted=torch.tensor([2]), branch=torch.tensor([1]))
+    (round_,) = trace_rounds([ar], prompt_length=2)
+    cells = [(c.token, c.kind, c.note) for c in round_.cells]
+    assert cells == [(7, "accepted", None), (5, "accepted", 8), (6, "fixed", None), (3, "rejected", None),
+                     (4, "rejected", None)]
+
+
 def test_fef_trace_html_shows_every_round(oracle, tmp_path):
     events, out = _fef_trace(oracle)
     row = _rows_with_a_rejection(events)[0]

@@ -708,3 +708,23 @@ def test_tree_rows_are_batch_invariant(model, options):
             alone = dllm.generate(model, torch.tensor([prompt]), **common,
                                   generator=[torch.Generator().manual_seed(100 + row)])
             assert torch.equal(batch.sequences[row, width:], alone.sequences[0, len(prompt):]), row
+
+
+def test_tree_rounds_are_traced(model, tmp_path):
+    """dllm's trace of a tree run: a taken sibling carries the chain's draft it replaced, and the page's
+    answer is the row's output."""
+    from dllm.eval.trace import TraceRecorder, render_trace, trace_rounds
+
+    trace = TraceRecorder()
+    with torch.no_grad():
+        out = dllm.generate(model, PROMPT[None].expand(8, -1), sampler="fef", max_new_tokens=10, temperature=1.0,
+                            generator=torch.Generator().manual_seed(1), eos_token_id=None, window=3,
+                            draft_candidates=3, callback=trace)
+    taken = [(e, i) for e in trace.events if e.branch is not None for i in (e.branch > 0).nonzero().flatten().tolist()]
+    assert taken
+    event, i = taken[0]
+    row = int(event.rows[i])
+    rounds = trace_rounds(trace.events, row=row, mask_token_id=MASK)
+    assert any(c.kind == "accepted" and c.note is not None for r in rounds for c in r.cells)
+    page = render_trace(trace.events, "abcd", tmp_path / "t.html", row=row, mask_token_id=MASK).read_text()
+    assert "".join("abcd"[t] for t in out.sequences[row, 3:].tolist()) in page
