@@ -20,6 +20,7 @@ Written to ``--output``: ``head_cost.json`` and ``head_cost.md`` (the ratios of 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -92,11 +93,11 @@ def measure(args: argparse.Namespace, shape: dict, depths: tuple[int, ...], devi
         model = build(shape, depth, args.context + args.block, device, dtype)
         tokens = vocab - 1  # leave the mask id out of the inputs
         whole = torch.randint(tokens, (rows, args.context + args.block), device=device)
-        calls["no_cache"][depth] = _time(lambda: model(whole), args.reps, device)
+        calls["no_cache"][depth] = _time(functools.partial(model, whole), args.reps, device)
         block = torch.randint(tokens, (rows, args.block), device=device)
         cache = _prefilled_cache(model, rows, args.context, tokens, device) if args.context else model.new_cache()
-        calls["block_cache"][depth] = _time(lambda: model.forward_cached(block, cache, append=False), args.reps,
-                                            device)
+        calls["block_cache"][depth] = _time(functools.partial(model.forward_cached, block, cache, append=False),
+                                            args.reps, device)
         log(f"  depth {depth}: no cache {calls['no_cache'][depth] * 1e3:.2f} ms, "
             f"block cache {calls['block_cache'][depth] * 1e3:.2f} ms")
         del model, cache
@@ -117,8 +118,8 @@ def measure(args: argparse.Namespace, shape: dict, depths: tuple[int, ...], devi
     first = torch.zeros(rows, dtype=torch.long, device=device)
     offsets = torch.ones(rows, args.window, dtype=torch.long, device=device)
     generator = torch.Generator(device=device).manual_seed(0)
-    steps = {f"T{t}": _time(lambda t=t: head_drafts(head, features, base, first, offsets, float(t), generator,
-                                                    vocab - 1), args.reps, device) for t in (0, 1)}
+    steps = {f"T{t}": _time(functools.partial(head_drafts, head, features, base, first, offsets, float(t), generator,
+                                              vocab - 1), args.reps, device) for t in (0, 1)}
     params = sum(p.numel() for p in head.parameters())
     return {"backbone_seconds": {kind: {str(d): s for d, s in seconds.items()} for kind, seconds in calls.items()},
             "backbone_full_depth_seconds": full, "head_seconds": steps, "head_parameters": params,
