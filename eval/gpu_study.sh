@@ -12,13 +12,14 @@
 # attention in the shipped model's blocks, and never onto the bidirectional llada-8b); selfcheck/ (the cost model
 # on the shipped models' own shapes, projected from the same results: compare its projected speedups with
 # the measured ones to see how far "forward time is all that counts" holds on this device); head_cost/ (fef's
-# draft-head steps against the state call at HEAD_ARCH's shape, default llada-8b: eval/head_cost.py).
+# draft-head steps against the state call at HEAD_ARCH's shape, default llada-8b: eval/head_cost.py); trees/
+# (configs/bench_trees.toml at batch 1 on the shipped models: draft trees against chains, ar_spec and fef).
 #
 # Overrides (environment): MODEL_AR, MODEL_DIFFUSION, MODEL_DRAFTER (folders; default the shipped models),
 # PROMPTS, NUM_PROMPTS, MAX_NEW_TOKENS, BATCH_SIZE, REPEATS, WARMUP, THREADS, COST_ROLES (name=arch,...; a
 # name may repeat to project onto several targets),
 # COST_ARCHS (extra archs, comma-separated), COST_ROWS, COST_TOKENS, COST_CONTEXTS, COST_LAYERS, COST_REPS,
-# SELFCHECK (0 to skip), HEAD_ARCH, HEAD_LAYERS, HEAD_COST (0 to skip), PYTHON.
+# SELFCHECK (0 to skip), HEAD_ARCH, HEAD_LAYERS, HEAD_COST (0 to skip), TREES (0 to skip), PYTHON.
 set -euo pipefail
 
 OUT=${1:-runs/gpu_study_$(date +%Y%m%d_%H%M%S)}
@@ -37,7 +38,7 @@ else
   : "${COST_REPS:=5}"
   : "${SELF_ROWS:=1,4,16,64,144}" "${SELF_TOKENS:=1,8,32,128,256}" "${SELF_CONTEXTS:=0,128,256}"
 fi
-: "${PROMPTS:=synthetic}" "${WARMUP:=1}" "${SELFCHECK:=1}" "${COST_ARCHS:=}" "${HEAD_COST:=1}" "${HEAD_ARCH:=llada-8b}"
+: "${PROMPTS:=synthetic}" "${WARMUP:=1}" "${SELFCHECK:=1}" "${COST_ARCHS:=}" "${HEAD_COST:=1}" "${HEAD_ARCH:=llada-8b}" "${TREES:=1}"
 if [[ "$SMALL" == 1 ]]; then : "${HEAD_LAYERS:=1,2}"; else : "${HEAD_LAYERS:=2,4}"; fi
 
 shipped() { "$PY" -c "from dllm.eval.bench import DEFAULT_MODELS; print(DEFAULT_MODELS['$1'])"; }
@@ -81,5 +82,11 @@ if [[ "$HEAD_COST" != 0 ]]; then
   echo "== draft-head steps against the state call at ${HEAD_ARCH}'s shape"
   "$PY" -m dllm.eval.head_cost --arch "$HEAD_ARCH" --layers "$HEAD_LAYERS" --device "${DEVICE:-auto}" \
     --dtype "${DTYPE:-bfloat16}" --reps "$COST_REPS" --output "$OUT/head_cost" 2>&1 | tee "$OUT/head_cost.log"
+fi
+if [[ "$TREES" != 0 ]]; then
+  echo "== draft trees against chains at batch 1 (configs/bench_trees.toml)"
+  "$PY" -m dllm.eval.bench "${common[@]}" --config-file configs/bench_trees.toml --num-prompts "$NUM_PROMPTS" \
+    --max-new-tokens "$MAX_NEW_TOKENS" --repeats "$REPEATS" --warmup "$WARMUP" --output "$OUT/trees" 2>&1 \
+    | tee "$OUT/trees.log"
 fi
 echo "== done: $OUT"

@@ -267,7 +267,7 @@ def test_gpu_study_script_runs_small_on_cpu(tiny_models, tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     for name in ("results.json", "results.md", "pareto.png", "cost_model.json", "projection.png",
-                 "selfcheck/cost_model.json", "head_cost/head_cost.json"):
+                 "selfcheck/cost_model.json", "head_cost/head_cost.json", "trees/results.json"):
         assert (tmp_path / name).stat().st_size > 0, name
     assert "| sequential | - | no | yes |" in (tmp_path / "cost_model.md").read_text()  # block-cached
 
