@@ -26,7 +26,8 @@ them and the queries' features (``DraftHeadConfig.condition_first``: step 0 read
 which those queries did not see), still without a call of its own. Left to right, the blocks do not change
 the law (position order is the reveal order), so the answer is decoded as one block and windows run
 across the model's blocks. ``cache`` may be ``auto`` or ``none``: the reveal-order cache is exact, so both
-give the same law. Limit: the draft-logit buffer is [B, N, V] over the N answer columns (the prompt's are
+give the same law. ``draft_candidates`` > 1 (left to right) adds a draft tree to the same call: siblings of
+each draft with their own queries (``_Tree``), verified by the recursive rule. Limit: the draft-logit buffer is [B, N, V] over the N answer columns (the prompt's are
 never drafted), in the logits' dtype: 2 GB at LLaDA's vocabulary for 8 rows of 512 answer tokens in
 float32 (to chunk, or keep only live columns).
 """
