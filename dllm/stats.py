@@ -37,7 +37,7 @@ class DecodeStats:
     - ``drafted`` / ``accepted``: draft tokens proposed to, and accepted by, the verification core. A draft
       tree (``draft_candidates`` of ar_spec, or of fef on a two-stream model) counts its depths: a depth is
       drafted once however many candidates it had, and accepted when any of them was (an accepted alternative
-      is the round's last draft).
+      is the round's last draft); ``siblings_taken`` counts the row-rounds that accepted an alternative.
     - ``mean_acceptance_length``: ``new_tokens / rounds``, i.e. tokens emitted per row per round,
       INCLUDING the correction or bonus token of a speculative round (vLLM's convention; gpt-fast
       counts accepted drafts only, which is ``accepted / rounds`` here). For non-speculative samplers
@@ -69,6 +69,7 @@ class DecodeStats:
     accepted: int = 0
     draft_rounds: int = 0
     undrafted_tokens: int = 0
+    siblings_taken: int = 0
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     wall_time_s: float = 0.0
@@ -90,10 +91,14 @@ class DecodeStats:
         self.new_tokens += int(emitted.sum())
 
     def count_verification(
-        self, num_drafts: torch.Tensor, num_accepted: torch.Tensor, num_emitted: torch.Tensor
+        self, num_drafts: torch.Tensor, num_accepted: torch.Tensor, num_emitted: torch.Tensor,
+        branch: torch.Tensor | None = None,
     ) -> None:
-        """Record one verification round; each argument is [N] over the rows that took part."""
+        """Record one verification round; each argument is [N] over the rows that took part (``branch``: a
+        draft tree's taken alternative per row, 0 for none)."""
         self.count_round(num_emitted)
+        if branch is not None:
+            self.siblings_taken += int((branch > 0).sum())
         self.drafted += int(num_drafts.sum())
         self.accepted += int(num_accepted.sum())
         drafting = num_drafts > 0
@@ -127,7 +132,7 @@ class DecodeStats:
         """Sum two runs' counters (e.g. batches of one evaluation)."""
         total = DecodeStats()
         for name in ("nfe", "nfe_draft", "row_calls", "forward_tokens", "forward_tokens_draft", "new_tokens", "rounds",
-                     "drafted", "accepted", "draft_rounds", "undrafted_tokens", "wall_time_s"):
+                     "drafted", "accepted", "draft_rounds", "undrafted_tokens", "siblings_taken", "wall_time_s"):
             setattr(total, name, getattr(self, name) + getattr(other, name))
         total._grow(max(len(self.drafted_per_position), len(other.drafted_per_position)))
         for src in (self, other):

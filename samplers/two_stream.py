@@ -27,9 +27,9 @@ which those queries did not see), still without a call of its own. Left to right
 the law (position order is the reveal order), so the answer is decoded as one block and windows run
 across the model's blocks. ``cache`` may be ``auto`` or ``none``: the reveal-order cache is exact, so both
 give the same law. ``draft_candidates`` > 1 (left to right) adds a draft tree to the same call: siblings of
-each draft with their own queries (``_Tree``), verified by the recursive rule. Limit: the draft-logit buffer is [B, N, V] over the N answer columns (the prompt's are
-never drafted), in the logits' dtype: 2 GB at LLaDA's vocabulary for 8 rows of 512 answer tokens in
-float32 (to chunk, or keep only live columns).
+each draft with their own queries (``_Tree``), verified by the recursive rule. Limit: the draft-logit
+buffer is [B, N, V] over the N answer columns (the prompt's are never drafted), in the logits' dtype: 2 GB
+at LLaDA's vocabulary for 8 rows of 512 answer tokens in float32 (to chunk, or keep only live columns).
 """
 
 from __future__ import annotations
@@ -167,7 +167,7 @@ def two_stream_round(state: _Decoding, rows, in_block, temperature, generator, s
     outcome = rejection_sample(drafts, window_logits, target_logits, num_drafts, temperature=temperature,
                                has_bonus=has_bonus, noise=Noise(generator=generator), **verify)
     if window:
-        stats.count_verification(num_drafts, outcome.num_accepted, outcome.num_emitted)
+        stats.count_verification(num_drafts, outcome.num_accepted, outcome.num_emitted, outcome.branch)
     else:
         stats.count_round(outcome.num_emitted)
 

@@ -625,9 +625,10 @@ def test_greedy_fef_with_trees_equals_greedy_sequential(model, monkeypatch, opti
     common = dict(max_new_tokens=12, temperature=0, eos_token_id=0, block_length=4, attention_mask=mask)
     with torch.no_grad():
         reference = dllm.generate(model, ids, sampler="sequential", **common).sequences
-        tree = dllm.generate(model, ids, sampler="fef", window=3, **options, **head, **common).sequences
+        run = dllm.generate(model, ids, sampler="fef", window=3, **options, **head, **common)
+        tree, tree_stats = run.sequences, run.stats
     assert torch.equal(reference, tree)
-    assert sum(taken) >= 5
+    assert sum(taken) >= 5 and tree_stats.siblings_taken == sum(taken)
 
 
 @pytest.mark.parametrize("draft", ["marginal", "head"])
