@@ -131,7 +131,7 @@ def test_ar_spec_tree_exact(target, drafters, kind, candidates, below, temperatu
     """The law is ar's; ``candidates_below`` gives siblings only to unsure drafts (a choice of the proposal's own)."""
     answers, stats = _sample(target, temperature, candidates, candidates_below=below, **drafters[kind])
     assert chi_square_pvalue(answers, sequential_distribution(target, PROMPT, GEN, temperature=temperature)) > ALPHA
-    assert 0 < stats.accepted < stats.drafted
+    assert 0 < stats.accepted < stats.drafted and stats.siblings_taken > 0  # the siblings took part
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.3])
