@@ -29,6 +29,7 @@ Whole-sequence configurations (no cache, or Fast-dLLM's approximate caches) are 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import functools
 import json
 import statistics
@@ -209,11 +210,19 @@ def build(shape: dict[str, Any], n_layers: int, max_len: int, device, dtype) -> 
     fields = {**shape, "n_layers": n_layers, "max_seq_len": max_len}
     if fields["layout"] != "causal":
         fields["mask_token_id"] = fields["vocab_size"] - 1
+    with building(device, dtype):
+        return TransformerLM(TransformerConfig(**fields)).eval()
+
+
+@contextlib.contextmanager
+def building(device, dtype):
+    """Modules made inside are built on ``device`` in ``dtype`` directly (no float32 copy of a
+    billion-parameter embedding on the way)."""
     previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # no float32 copy of a billion-parameter embedding on the way
+    torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            return TransformerLM(TransformerConfig(**fields)).eval()
+            yield
     finally:
         torch.set_default_dtype(previous)
 

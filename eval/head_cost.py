@@ -28,11 +28,12 @@ from pathlib import Path
 
 import torch
 
+from dllm.cli import UserError, check_device
 from dllm.defaults import auto_dtype
 from dllm.models.draft_head import DraftHead, DraftHeadConfig
 from dllm.samplers.fef_head import head_drafts
 
-from .cost_model import ARCHS, _fit, _prefilled_cache, _time, arch_config, build
+from .cost_model import ARCHS, _fit, _prefilled_cache, _time, arch_config, build, building
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -48,7 +49,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=128, help="the head's width (default 128, the shipped heads')")
     p.add_argument("--head-layers", type=int, default=1, help="the head's layers (default 1)")
     p.add_argument("--reps", type=int, default=5, help="timed repeats per measurement, median kept (default 5)")
-    p.add_argument("--device", default="auto", help="auto (CUDA when present), cuda or cpu")
+    p.add_argument("--device", default="auto", help="auto (CUDA when present), or a torch device: cpu, cuda, cuda:1")
     p.add_argument("--dtype", default="auto", choices=("auto", *DTYPES), help="auto: dllm.defaults.auto_dtype")
     p.add_argument("--output", required=True, help="folder for head_cost.json and head_cost.md")
     return p.parse_args(argv)
@@ -61,12 +62,11 @@ def check(args: argparse.Namespace) -> tuple[dict, tuple[int, ...], torch.device
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.context < 0:
         raise ValueError(f"--context must be >= 0, got {args.context}")
-    if args.device not in ("auto", "cuda", "cpu"):
-        raise ValueError(f"--device must be auto, cuda or cpu, got {args.device!r}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA device here")
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          args.device if args.device != "auto" else "cpu")
+    try:
+        check_device(args.device)
+    except UserError as error:
+        raise ValueError(str(error)) from None
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     try:
         shape = arch_config(args.arch)
     except ValueError as error:
@@ -106,13 +106,8 @@ def measure(args: argparse.Namespace, shape: dict, depths: tuple[int, ...], devi
     torch.manual_seed(0)
     config = DraftHeadConfig(vocab_size=vocab, backbone_dim=shape["dim"], dim=args.head_dim, n_layers=args.head_layers,
                              max_window=max(16, args.window), mask_token_id=vocab - 1)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            head = DraftHead(config).eval()
-    finally:
-        torch.set_default_dtype(previous)
+    with building(device, dtype):
+        head = DraftHead(config).eval()
     features = torch.randn(rows, args.window, shape["dim"], device=device, dtype=dtype)
     base = torch.randn(rows, args.window, vocab, device=device, dtype=dtype)
     first = torch.zeros(rows, dtype=torch.long, device=device)
