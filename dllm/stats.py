@@ -168,9 +168,13 @@ class StepEvent:
     drafts: torch.Tensor | None = None  # [R, W] draft tokens proposed this round (fef, ar_spec)
     num_drafts: torch.Tensor | None = None  # [R] drafts proposed per row
     num_accepted: torch.Tensor | None = None  # [R] drafts accepted per row
-    # [R] a draft tree's taken sibling: 0 none, a > 0 the a-th sibling of depth num_accepted - 1, which then
-    # stands where the chain's (rejected) draft of that depth was (draft_candidates > 1)
+    # A draft tree's taken sibling (draft_candidates > 1), [R] each: ``branch`` 0 none, a > 0 the a-th sibling
+    # of window index ``branch_depth`` (-1: none), which then stands where the chain's (rejected) draft
+    # ``replaced`` was; ``drafts`` are then the path verification followed: the chain before it, the sibling,
+    # and (fef on a two-stream model) its branch's drafts after it, whose targets are in ``target_logits``
     branch: torch.Tensor | None = None
+    branch_depth: torch.Tensor | None = None
+    replaced: torch.Tensor | None = None
     # [R, W(+1), V] the logits verification tested draft j against (row j; then the bonus row): the
     # target's own logits, before any temperature (fef, ar_spec)
     target_logits: torch.Tensor | None = None

@@ -9,7 +9,8 @@ text piece and coloured by what happened to it in that round: accepted draft, co
 for non-speculative samplers, revealed this step), rejected or re-masked draft, still masked, or
 revealed earlier. A correction that replaced a rejected draft keeps the draft as a note (HTML tooltip
 and struck-through text; small red text in the PNG), and so does a draft tree's taken sibling
-(``StepEvent.branch``), whose leaf token after it is shown as a bonus. Reads the callback events every sampler sends
+(``StepEvent.branch``): ar_spec's leaf token after it is shown as a bonus, and fef's branch after it (on a
+two-stream model) as accepted drafts, then a correction or bonus. Reads the callback events every sampler sends
 (see ``dllm.samplers``): fef and the masked-diffusion samplers, ``ar`` and ``ar_spec``.
 """
 
@@ -115,15 +116,14 @@ def _diffusion_round(event: StepEvent, i: int, start: int, mask_id: int) -> Roun
         return Round(f"{len(emitted)} revealed", cells[start:])
     window, drafts = event.window[i].tolist(), event.drafts[i].tolist()
     drafted, accepted = int(event.num_drafts[i]), int(event.num_accepted[i])
-    sibling = _took_sibling(event, i)
     for k, p in enumerate(emitted):  # emitted in order: the accepted drafts, then the correction/bonus
         cells[p].kind = "accepted" if k < accepted else "fixed"
-    if sibling:  # the taken sibling replaced the chain's rejected draft; the leaf's token is no correction
-        cells[window[accepted - 1]].note = drafts[accepted - 1]
-    for j in range(accepted, drafted):  # the first rejected draft, and those after it (never verified)
+    if _took_sibling(event, i):  # the taken sibling replaced the chain's rejected draft there
+        cells[window[int(event.branch_depth[i])]].note = int(event.replaced[i])
+    for j in range(accepted, drafted):  # the first rejected draft (of the path), and those after it
         cell = cells[window[j]]
         if cell.kind == "fixed":
-            cell.note = None if sibling else drafts[j]
+            cell.note = drafts[j]
         elif cell.token is None:
             cells[window[j]] = Cell(drafts[j], "rejected")
     extra = len(emitted) - accepted
@@ -156,7 +156,7 @@ def _ar_spec_rounds(mine, start: int, eos: int | Sequence[int] | None) -> list[R
         cells = [Cell(t, "done") for t in x[start:length]]
         cells += [Cell(t, "accepted" if k < accepted else "fixed") for k, t in enumerate(x[length : length + emitted])]
         if _took_sibling(event, i) and emitted >= accepted:  # the sibling replaced the chain's draft there
-            cells[length - start + accepted - 1].note = drafts[accepted - 1]
+            cells[length - start + int(event.branch_depth[i])].note = int(event.replaced[i])
             cells += [Cell(d, "rejected") for d in drafts[accepted:drafted]]
         else:
             if accepted < drafted and emitted > accepted:

@@ -23,6 +23,8 @@ from dllm.numerics import NOISE_CHUNK_ELEMENTS
 STREAM_ACCEPT = 0  # verification: one uniform per (row, draft)
 STREAM_RESIDUAL = 1  # verification: Gumbel noise per (row, token) for the correction/bonus
 STREAM_SAMPLE = 2  # per-position sampling: Gumbel noise per (row, token)
+STREAM_BRANCH_ACCEPT = 3  # a draft tree's continuation after an accepted alternative: uniforms
+STREAM_BRANCH_RESIDUAL = 4  # ... and its correction/bonus Gumbels
 
 SEED_LIMIT = 1 << 63  # seeds are int64 >= 0; Philox's key is their low and high 32-bit halves
 

@@ -31,6 +31,11 @@ emitted at depth j is distributed as p_0 = target_j whatever the candidates: d_j
 alternative ends it and its leaf row (the target after it) gives one more token, and when every
 candidate is rejected the last residual gives the correction. Greedy mode takes the first candidate equal
 to the target's argmax. With A = 0 the tree rule is the chain rule (the same function is called).
+With ``Continuations`` each alternative (j, a) roots a branch: drafts at depths j + 1 .. n_b - 1 drawn after
+it, and the targets after each of its prefixes. An accepted alternative then continues down its branch by
+the chain rule (correction at its first rejection, or the bonus after it), with acceptance noise
+independent of the first stage's (``Noise.continuation``): given the token at depth j, its branch is
+a chain speculative step like any other, so the emitted tokens are still the target chain's.
 
 ``verify_probs`` is the one definition of the rule. ``verify_logits_reference`` applies it to
 softmax(logits / T) (float32, ``dllm.numerics.softmax``); the fused Triton kernel in
@@ -55,7 +60,15 @@ import torch
 from dllm.numerics import RowGenerators, bind_rows, gumbel, softmax, uniform
 
 from .dispatch import use_triton
-from .noise import SEED_LIMIT, STREAM_ACCEPT, STREAM_RESIDUAL, counter_gumbels, counter_uniforms
+from .noise import (
+    SEED_LIMIT,
+    STREAM_ACCEPT,
+    STREAM_BRANCH_ACCEPT,
+    STREAM_BRANCH_RESIDUAL,
+    STREAM_RESIDUAL,
+    counter_gumbels,
+    counter_uniforms,
+)
 
 
 @dataclass(frozen=True)
@@ -65,9 +78,25 @@ class VerifyResult:
     tokens: torch.Tensor  # [B, K + 1] accepted drafts, then the correction/bonus; -1 after the last
     num_emitted: torch.Tensor  # [B] tokens emitted (accepted + 1 when a correction/bonus was drawn)
     num_accepted: torch.Tensor  # [B] accepted drafts (a tree's accepted alternative included)
-    # tree verification (``verify_tree_logits``): [B] the alternative accepted at the last accepted depth
-    # (1 .. A; its leaf row gave the next token), 0 where the chain's own drafts were; None for a chain
+    # tree verification (``verify_tree_logits``): [B] the alternative accepted (1 .. A), 0 where the chain's
+    # own drafts were; None for a chain. Its depth is ``branch_depth`` [B] (-1: none): the last accepted
+    # depth for leaves, or, with continuations, the depth where the accepted path left the chain
     branch: torch.Tensor | None = None
+    branch_depth: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Continuations:
+    """Drafts after each alternative of a draft tree, indexed by absolute depth (``verify_tree_logits``).
+
+    For alternative (j, a) the entries at depths i > j hold its continuation: ``tokens`` [B, K, A, K] (-1 past
+    the row's drafts; entries at i <= j are never read), ``logits`` [B, K, A, K, V] the law each was drawn from
+    given the path before it, and ``targets`` [B, K, A, K + 1, V] the target at depth i after the chain prefix
+    d_<j, the alternative and its continuation before i (i = j + 1: the leaf; row K: the bonus)."""
+
+    tokens: torch.Tensor
+    logits: torch.Tensor
+    targets: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -97,6 +126,17 @@ class Noise:
         if self.seed is not None:
             return counter_uniforms(self.seed, STREAM_ACCEPT, torch.arange(batch, device=device), width)
         return uniform(need_generator(self.generator), (batch, width), device)
+
+    def continuation(self, rows: torch.Tensor, width: int, vocab: int, device) -> Noise:
+        """The noise of a second chain verification on batch rows ``rows`` [R] of width ``width``, independent of
+        this one's (a draft tree's continuation after an accepted alternative)."""
+        if self.uniforms is not None or self.gumbels is not None:
+            raise ValueError("Noise: explicit uniforms/gumbels cover the chain and its alternatives only; verify "
+                             "a draft tree with continuations with seed or generator noise")
+        if self.seed is not None:
+            return Noise(uniforms=counter_uniforms(self.seed, STREAM_BRANCH_ACCEPT, rows, width),
+                         gumbels=counter_gumbels(self.seed, STREAM_BRANCH_RESIDUAL, rows, vocab))
+        return Noise(generator=bind_rows(need_generator(self.generator), rows))
 
     def residual(self, rows: torch.Tensor, vocab: int, device) -> torch.Tensor:
         """Gumbel noise for the correction/bonus draw of batch rows ``rows`` [R] -> [R, V] float64."""
@@ -257,8 +297,10 @@ def verify_tree_logits(
     temperature: float,  # 0: greedy
     has_bonus: torch.Tensor | None = None,  # [B] bool; default: True iff target has K + 1 rows
     noise: Noise,
+    continuations: Continuations | None = None,  # drafts after each alternative (then leaf_logits may be None)
 ) -> VerifyResult:
-    """Verify a draft tree: the chain d_0..d_{K-1} plus, at each depth j, A sibling leaves (module docstring).
+    """Verify a draft tree: the chain d_0..d_{K-1} plus, at each depth j, A sibling leaves, or with
+    ``continuations`` A sibling branches (module docstring).
 
     With A = 0 this is the chain rule itself (``verify_logits``, the kernel where it applies); with A > 0
     the torch reference of the recursive rule. ``branch`` says which alternative, if any, was accepted.
@@ -267,6 +309,9 @@ def verify_tree_logits(
     if alternatives.shape[-1] == 0:
         return verify_logits(draft_tokens, draft_logits, target_logits, num_drafts, temperature=temperature,
                              has_bonus=has_bonus, noise=noise)
+    if continuations is not None:
+        return _verify_branches(draft_tokens, alternatives, draft_logits, target_logits, continuations, num_drafts,
+                                temperature=temperature, has_bonus=has_bonus, noise=noise)
     batch, width = draft_tokens.shape
     device = draft_tokens.device
     num_drafts, has_bonus = normalise_counts(draft_tokens, target_logits, num_drafts, has_bonus)
@@ -296,13 +341,16 @@ def verify_tree_logits(
     tokens[:, :width] = torch.where(torch.arange(width, device=device) < num_chain[:, None], draft_tokens,
                                     tokens[:, :width])
     tokens[rows[took], at[took]] = candidates[rows[took], at[took], branch[took]]
+    depth = torch.where(took, at, -1)
+    if leaf_logits is None:  # continuations follow (``_verify_branches``): no token after an alternative here
+        extra = extra & ~took
     # The last token's law: the leaf after an accepted alternative, the residual left after a depth's
     # candidates were all rejected, or the bonus row after a full chain.
     last = torch.where(took, at + 1, num_chain)
     need = extra.nonzero().squeeze(-1)
     if need.numel():
-        leaf = leaf_logits[need, at[need], (branch[need] - 1).clamp(min=0)]
         bonus = target_logits[need, num_chain[need].clamp(max=target_logits.shape[1] - 1)]
+        leaf = bonus if leaf_logits is None else leaf_logits[need, at[need], (branch[need] - 1).clamp(min=0)]
         if greedy:
             law = torch.where(took[need, None], leaf, torch.where(rejected[need, None], residual[need, at[need]],
                                                                    bonus)).argmax(-1)
@@ -313,7 +361,41 @@ def verify_tree_logits(
             law = (torch.log(weights) + noise.residual(need, weights.shape[-1], weights.device)).argmax(-1)
         tokens[need, last[need]] = law
     return VerifyResult(tokens=tokens, num_emitted=num_accepted + extra.long(), num_accepted=num_accepted,
-                        branch=branch)
+                        branch=branch, branch_depth=depth)
+
+
+def _verify_branches(draft_tokens, alternatives, draft_logits, target_logits, continuations: Continuations,
+                     num_drafts, *, temperature, has_bonus, noise) -> VerifyResult:
+    """A draft tree whose alternatives carry continuations: the recursive rule over the chain and the
+    alternatives (``verify_tree_logits`` without leaves), then, in rows that took alternative (j, a), the chain
+    rule over its continuation at depths j + 1 .. n_b - 1 against its own targets (then a correction, or the
+    bonus where the row has one), with noise independent of the first stage's (``Noise.continuation``)."""
+    batch, width = draft_tokens.shape
+    num_drafts, has_bonus = normalise_counts(draft_tokens, target_logits, num_drafts, has_bonus)
+    first = verify_tree_logits(draft_tokens, alternatives, draft_logits, target_logits, None, num_drafts,
+                               temperature=temperature, has_bonus=has_bonus, noise=noise)
+    took = (first.branch > 0).nonzero().squeeze(-1)
+    if not took.numel():
+        return first
+    depth, alt = first.branch_depth[took], first.branch[took] - 1
+    # Row t's continuation, shifted so that its depth j + 1 is column 0 (columns past K - 1 are never read).
+    shift = (depth[:, None] + 1 + torch.arange(width + 1, device=draft_tokens.device)).clamp(max=width)
+    index = torch.arange(took.numel(), device=draft_tokens.device)[:, None]
+    sub_tokens = continuations.tokens[took, depth, alt].gather(1, shift[:, :width].clamp(max=width - 1)).clamp(min=0)
+    sub_logits = continuations.logits[took, depth, alt][index, shift[:, :width].clamp(max=width - 1)]
+    sub_targets = continuations.targets[took, depth, alt][index, shift]
+    sub_count = num_drafts[took] - depth - 1
+    second = verify_logits(sub_tokens, sub_logits, sub_targets, sub_count, temperature=temperature,
+                           has_bonus=has_bonus[took], noise=noise.continuation(took, width, target_logits.shape[-1],
+                                                                               draft_tokens.device))
+    tokens, num_accepted, num_emitted = first.tokens.clone(), first.num_accepted.clone(), first.num_emitted.clone()
+    columns = depth[:, None] + 1 + torch.arange(width, device=draft_tokens.device)  # [T, K] absolute depths
+    inside = columns <= width
+    tokens[took[:, None].expand_as(columns)[inside], columns[inside]] = second.tokens[:, :width][inside]
+    num_accepted[took] += second.num_accepted
+    num_emitted[took] = num_accepted[took] + (second.num_emitted - second.num_accepted)
+    return VerifyResult(tokens=tokens, num_emitted=num_emitted, num_accepted=num_accepted, branch=first.branch,
+                        branch_depth=first.branch_depth)
 
 
 def _recursive_accept(candidates: torch.Tensor, live: torch.Tensor, draft: torch.Tensor, target: torch.Tensor,

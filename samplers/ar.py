@@ -144,8 +144,8 @@ def ar_spec(
         seq[rows[:, None].expand_as(hit)[hit], (length[:, None] + offsets)[hit]] = outcome.tokens[hit]
         lengths[rows] += emitted
         if callback is not None:
-            callback(StepEvent("ar_spec", rows, seq[rows], drafts=drafts, num_drafts=num_drafts,
-                               num_accepted=outcome.num_accepted, target_logits=target, branch=outcome.branch))
+            callback(StepEvent("ar_spec", rows, seq[rows], num_drafts=num_drafts, num_accepted=outcome.num_accepted,
+                               target_logits=target, **_tree_path(drafts, outcome)))
         # Tokens every row holds for sure and the caches may keep: those before the last emitted one; after an
         # accepted alternative, before it (the caches hold the chain's draft at its position).
         held = lengths[rows] - 1 - (outcome.branch > 0).long() if outcome.branch is not None else lengths[rows] - 1
@@ -318,3 +318,18 @@ def _keep_features(features, fed, rows, length, shape: tuple[int, int], outcome)
 def _block_size(model) -> int | None:
     """A block-causal model's block size, else None."""
     return capabilities(model).block_size
+
+
+def _tree_path(drafts, outcome) -> dict:
+    """``StepEvent``'s drafts along the verified path (a taken sibling in place of the chain's draft), with
+    ``branch``, ``branch_depth`` and ``replaced`` for a draft tree."""
+    if outcome.branch is None:
+        return {"drafts": drafts}
+    took = outcome.branch > 0
+    depth = torch.where(took, outcome.branch_depth, -1)
+    rows = took.nonzero().squeeze(-1)
+    path = drafts.clone()
+    path[rows, depth[rows]] = outcome.tokens[rows, depth[rows]]
+    replaced = torch.full_like(depth, -1)
+    replaced[rows] = drafts[rows, depth[rows]]
+    return {"drafts": path, "branch": outcome.branch, "branch_depth": depth, "replaced": replaced}

@@ -44,13 +44,15 @@ class HeadDrafts(MarginalDrafts):
 @torch.no_grad()
 def head_drafts(head: DraftHead, features: torch.Tensor, base: torch.Tensor, first: torch.Tensor,
                 offsets: torch.Tensor, temperature: float, generator: torch.Generator,
-                mask_id: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+                mask_id: int | None, forced: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Draft a window in W head steps, each sampled before the next reads it (fef and the two-stream
     samplers share this loop) -> (tokens [R, W], the logits each was drawn from [R, W, V]).
 
     features [R, W, D] and base [R, W, V] at the window's positions; ``first`` [R] seeds slot 0's previous
     token (read only by a ``condition_first`` head); offsets [R, W] (slot 0 likewise). One draw per row and
-    slot with the per-row generators, as ``independent_drafts`` draws.
+    slot with the per-row generators, as ``independent_drafts`` draws. ``forced`` [R, W] (-1: draw): the
+    token a slot takes instead of its draw (a draft tree's branch, drafted after the path it follows); the
+    draw is made all the same, so a row's random stream does not depend on what was forced.
     """
     rows = torch.arange(features.shape[0], device=features.device)
     if next(head.parameters()).device != features.device:
@@ -60,6 +62,8 @@ def head_drafts(head: DraftHead, features: torch.Tensor, base: torch.Tensor, fir
     for j in range(offsets.shape[1]):
         logits = steps.next(token, offsets[:, j])  # base forbids the mask token: so does the step's sum
         token = sample_from_logits(logits, temperature, bind_rows(generator, rows))
+        if forced is not None:
+            token = torch.where(forced[:, j] >= 0, forced[:, j], token)
         tokens[:, j] = token
         drawn.append(logits)
     return tokens, torch.stack(drawn, dim=1)

@@ -44,7 +44,7 @@ from .canvas import Canvas
 from .drafters import Draft, independent_drafts, more_candidates
 from .fef_head import head_drafts
 from .order import choose_window, top1_probability
-from .verify import Noise, rejection_sample
+from .verify import Continuations, Noise, rejection_sample
 
 
 class _Decoding:
@@ -121,10 +121,11 @@ def two_stream_round(state: _Decoding, rows, in_block, temperature, generator, s
     n = rows.numel()
     index = torch.arange(n, device=x.device)
     candidates = (x == mask_id) & in_block[None, :]  # [R, L]
-    positions, count, drafts, window_logits = _drafts(state, rows, candidates, temperature, generator, order, window)
+    positions, count, drafts, window_logits, redraft = _drafts(state, rows, candidates, temperature, generator,
+                                                               order, window)
     width = positions.shape[1]
     branches = _Tree.grow(drafts, window_logits, count, positions, candidates, window, *tree, temperature,
-                          generator) if tree[0] > 1 and width else None
+                          generator, redraft) if tree[0] > 1 and width else None
 
     ids, pos, valid = state.pending
     ids, pos, valid = ids[rows], pos[rows], valid[rows]
@@ -146,7 +147,7 @@ def two_stream_round(state: _Decoding, rows, in_block, temperature, generator, s
     verify = {}
     if branches is not None:  # split the siblings' queries off
         logits, features = branches.split(logits, features, q_col.shape[1])
-        verify = {"alternatives": branches.alternatives, "leaf_logits": branches.leaf_logits()}
+        verify = {"alternatives": branches.alternatives, "continuations": branches.continuations()}
 
     # Each copy's pick: the position sequential reveals next after d_<k, from that copy's own queries.
     if order == "left_to_right":
@@ -177,56 +178,66 @@ def two_stream_round(state: _Decoding, rows, in_block, temperature, generator, s
     new_x[index[:, None].expand_as(hit)[hit], emitted[hit]] = outcome.tokens[hit]
     state.canvas.x[rows] = new_x
     # The chain's accepted drafts stay cached (those before an accepted sibling, which stays too).
-    took = outcome.branch > 0 if branches is not None else torch.zeros_like(has_bonus)
-    chain = outcome.num_accepted - took.long()
+    chain = outcome.num_accepted  # the chain's accepted drafts: before the taken sibling, if any
+    if branches is not None:
+        chain = torch.where(outcome.branch > 0, outcome.branch_depth, chain)
     keep = [valid, torch.arange(width, device=x.device)[None, :] < chain[:, None]]
     if branches is not None:
-        keep.append(branches.taken(outcome.branch, chain))
+        keep.append(branches.taken(outcome))
     state.cache.keep(rows, torch.cat(keep, dim=1))
     _set_pending(state, rows, outcome, emitted)
     if window:
         _store_drafts(state, rows, logits, features, q_col, q_copy, q_valid, chain, count)
         if branches is not None:
-            branches.store(state, rows, outcome.branch, chain)
+            branches.store(state, rows, outcome)
     info = {"revealed": emitted}
     if window:
-        info.update(window=positions, drafts=drafts, num_drafts=num_drafts, num_accepted=outcome.num_accepted,
-                    target_logits=target_logits, branch=outcome.branch)
+        tree = (branches.path(drafts, target_logits, outcome) if branches is not None
+                else {"drafts": drafts, "target_logits": target_logits})
+        info.update(window=positions, num_drafts=num_drafts, num_accepted=outcome.num_accepted,
+                    branch=outcome.branch, **tree)
     return info
 
 
 class _Tree:
     """A round's draft tree, left to right: at each depth j up to A = ``draft_candidates`` - 1 siblings of
     d_j, drawn without replacement from the law d_j was drawn from (``more_candidates``; with ``below``,
-    only where d_j's temperature-1 probability is below it). A sibling is a content token revealed right
-    after d_<j, and brings W + 1 queries that see d_<j and the sibling: its leaf at s_{j+1} (the target
-    after the sibling, for the recursive rule in ``dllm.kernels.verify``, which accepts at most one sibling)
-    and the next W masked positions. These are the next round's draft logits when the sibling is taken:
-    like the lookahead after a full window, they saw every token but the leaf's, which a head reads as its
-    pending token (without them the next round would draft from queries that saw the rejected branch).
-    Siblings are packed per row (S = the most any row has): the call feeds S (W + 2) more tokens."""
+    only where d_j's temperature-1 probability is below it), each the root of a branch: the sibling b_0 at
+    s_j, then a continuation b_1 .. b_{L-1} at s_{j+1} .. s_{n-1} (L = n - j for the row's n drafts), drafted
+    after the sibling (the head's steps with the path d_<j, b_0, b_<m forced; without a head the chain's own
+    independent drafts, whose laws do not depend on the token before). Branch token b_m is content revealed
+    after d_<j and b_<m; its leaf query (the target for b_{m+1}, or the bonus after b_{L-1}) sees them and
+    b_m, and W lookahead queries after the branch see the whole branch. The recursive rule accepts at most
+    one sibling, then the chain rule runs down its branch (``Continuations`` in ``dllm.kernels.verify``).
+    When a sibling is taken, its branch's queries are the next round's draft logits (and features), as the
+    chain's are after a chain round. Siblings are packed per row (S = the most any row has), each with W
+    content slots and 2W query slots: the call feeds up to S * 3W more tokens."""
 
-    def __init__(self, alternatives, depth, alt, tokens, columns):
+    def __init__(self, alternatives, depth, alt, tokens, columns, length, branch, branch_logits):
         self.alternatives = alternatives  # [R, W, A] (-1: none), as the verifier takes them
         self.depth, self.alt, self.tokens = depth, alt, tokens  # [R, S] per packed sibling (token -1: empty)
-        self.columns = columns  # [R, S, W + 1] its queries' canvas columns (-1: none), the leaf's first
-        self.logits: torch.Tensor | None = None  # [R, S, W + 1, V] after the call
+        self.length = length  # [R, S] L, the branch's tokens (sibling included)
+        # [R, S, W] by depth: the sibling at j, its continuation after (-1 elsewhere); [R, S, W, V] their laws
+        self.branch, self.branch_logits = branch, branch_logits
+        self.columns = columns  # [R, S, 2W] its queries' canvas columns (-1: none): L leaves, then W lookahead
+        self.logits: torch.Tensor | None = None  # [R, S, 2W, V] after the call
         self.features: torch.Tensor | None = None
 
     @classmethod
     def grow(cls, drafts, window_logits, count, positions, masked, window, candidates, below, temperature,
-             generator) -> _Tree:
-        """The siblings of this round's drafts. A round where no row has one still goes through the tree
-        rule (with no siblings), so that each row's random draws do not depend on its batch mates."""
+             generator, redraft) -> _Tree:
+        """The siblings of this round's drafts and their branches (``redraft(rows, forced)``: the head's drafts
+        along forced paths; None without a head). A round where no row has a sibling still goes through the
+        tree rule (with no siblings), so that each row's random draws do not depend on its batch mates."""
         n, width = drafts.shape
         device = drafts.device
         alternatives = more_candidates(Draft(drafts, window_logits, count), candidates - 1, temperature, generator,
                                        torch.arange(n, device=device), below)  # [R, W, A]
-        # The W + 1 masked columns after each s_j in position order: the leaf's, then the lookahead's.
+        # The 2W masked columns after each s_j in position order: the branch's leaves, then the lookahead.
         length = masked.shape[1]
         rank = masked.long().cumsum(dim=1) - 1  # [R, L] a masked column's rank among its row's
         by_rank = torch.where(masked, torch.arange(length, device=device), length).sort(dim=1).values
-        at = rank.gather(1, positions)[:, :, None] + 1 + torch.arange(window + 1, device=device)  # [R, W, W + 1]
+        at = rank.gather(1, positions)[:, :, None] + 1 + torch.arange(2 * window, device=device)  # [R, W, 2W]
         inside = at < masked.sum(dim=1)[:, None, None]
         columns = torch.where(inside, by_rank.gather(1, at.clamp(max=length - 1).flatten(1)).view_as(at), -1)
         live = (alternatives >= 0) & (columns[:, :, :1] >= 0)  # a sibling needs a leaf
@@ -239,31 +250,61 @@ class _Tree:
         count_alt = alternatives.shape[2]
         depth = torch.zeros((n, size), dtype=torch.long, device=device)
         alt, tokens = torch.zeros_like(depth), torch.full_like(depth, -1)
-        cols = torch.full((n, size, window + 1), -1, dtype=torch.long, device=device)
         depth[r, slot], alt[r, slot] = f // count_alt, f % count_alt
         tokens[r, slot] = alternatives.flatten(1)[r, f]
-        cols[r, slot] = columns[r, f // count_alt]
-        return cls(alternatives, depth, alt, tokens, cols)
+        branch_length = torch.where(tokens >= 0, count[:, None] - depth, 0)  # [R, S]
+        steps = torch.arange(window, device=device)
+        cols = torch.full((n, size, 2 * window), -1, dtype=torch.long, device=device)
+        lead = columns[r, f // count_alt]  # [k, 2W]
+        q = torch.arange(2 * window, device=device)
+        cols[r, slot] = torch.where(q[None, :] < branch_length[r, slot][:, None] + window, lead, -1)
+        # The branch: b_0 (the sibling) at depth j, its continuation at depths j + 1 .. n - 1.
+        j = depth[r, slot][:, None]
+        if redraft is None or not r.numel():  # independent drafts: the chain's own draws fit any branch
+            path, path_logits = drafts[r], window_logits[r]
+        else:
+            forced = torch.where(steps[None, :] < j, drafts[r], -1)
+            forced[torch.arange(r.numel(), device=device), j[:, 0]] = tokens[r, slot]
+            path, path_logits = redraft(r, forced)
+        branch = torch.full((n, size, window), -1, dtype=torch.long, device=device)
+        branch_logits = window_logits.new_zeros((n, size, window, window_logits.shape[-1]))
+        mine = (steps[None, :] > j) & (steps[None, :] < count[r][:, None])
+        branch[r, slot] = torch.where(mine, path, -1)
+        branch[r, slot, j[:, 0]] = tokens[r, slot]
+        branch_logits[r, slot] = path_logits
+        return cls(alternatives, depth, alt, tokens, cols, branch_length, branch, branch_logits)
 
     def inputs(self, content_ids, content_pos, content_valid, q_col, sees, k_pending: int):
-        """The call's content and queries with the siblings' -> (content ids, positions, valid, query columns,
-        prefix each query sees, the ``streams`` keywords ``content_sees`` and ``query_extra``)."""
+        """The call's content and queries with the branches' -> (content ids, positions, valid, query columns,
+        prefix each query sees, the ``streams`` keywords ``content_sees``, ``content_extra`` and ``query_extra``).
+        Branch (row, s) has W content slots by depth (its token at depth i in slot i, at s_i's position; slots
+        before its sibling's depth j are empty) and 2W queries at its columns."""
         n, width = content_ids.shape
-        size, per = self.columns.shape[1:]
+        size, window = self.branch.shape[1:]
         device = content_ids.device
-        before = k_pending + self.depth  # [R, S] the content a sibling (and its queries) sees: pending, d_<j
-        content_sees = torch.cat([torch.arange(1, width + 1, device=device).expand(n, -1), before], dim=1)
-        extra = torch.cat([torch.full_like(q_col, -1),
-                           (width + torch.arange(size, device=device)).repeat_interleave(per).expand(n, -1)], dim=1)
-        return (torch.cat([content_ids, self.tokens.clamp(min=0)], dim=1),
-                torch.cat([content_pos, content_pos.gather(1, before)], dim=1),  # at s_j, as d_j
-                torch.cat([content_valid, self.tokens >= 0], dim=1),
+        i = torch.arange(window, device=device)
+        before = k_pending + self.depth  # [R, S] the chain content a branch sees: pending, d_<j
+        first = (width + torch.arange(size, device=device) * window)[None, :, None].expand(n, size, window)
+        c_sees = torch.cat([torch.arange(1, width + 1, device=device).expand(n, -1),
+                            before.repeat_interleave(window, dim=1)], dim=1)
+        c_extra = torch.cat([torch.zeros((n, width, 2), dtype=torch.long, device=device),
+                             torch.stack([first, first + i], dim=-1).flatten(1, 2)], dim=1)  # depths < i (and itself)
+        # Query p < L is the leaf of the branch's token at depth j + p and sees the branch through it; the
+        # lookahead (p >= L) sees the whole branch.
+        p = torch.arange(2 * window, device=device)
+        stop = self.depth[:, :, None] + torch.minimum(p[None, None, :] + 1, self.length[:, :, None])  # [R, S, 2W]
+        q_first = first[:, :, :1].expand_as(stop)
+        q_extra = torch.cat([torch.zeros((*q_col.shape, 2), dtype=torch.long, device=device),
+                             torch.stack([q_first, q_first + stop], dim=-1).flatten(1, 2)], dim=1)
+        return (torch.cat([content_ids, self.branch.clamp(min=0).flatten(1)], dim=1),
+                torch.cat([content_pos, content_pos[:, k_pending:].repeat(1, size)], dim=1),  # depth i at s_i
+                torch.cat([content_valid, (self.branch >= 0).flatten(1)], dim=1),
                 torch.cat([q_col, self.columns.flatten(1).clamp(min=0)], dim=1),
-                torch.cat([sees, before.repeat_interleave(per, dim=1)], dim=1),
-                {"content_sees": content_sees, "query_extra": extra})
+                torch.cat([sees, before.repeat_interleave(2 * window, dim=1)], dim=1),
+                {"content_sees": c_sees, "content_extra": c_extra, "query_extra": q_extra})
 
     def split(self, logits, features, chain_queries: int):
-        """Keep the siblings' query outputs; return the chain's (logits, features)."""
+        """Keep the branches' query outputs; return the chain's (logits, features)."""
         size, per = self.columns.shape[1:]
         self.logits = logits[:, chain_queries:].unflatten(1, (size, per))
         if features is not None:
@@ -271,39 +312,78 @@ class _Tree:
             features = features[:, :chain_queries]
         return logits[:, :chain_queries], features
 
-    def leaf_logits(self) -> torch.Tensor:
-        """The target after each alternative -> [R, W, A, V] (zeros where there is none)."""
+    def continuations(self) -> Continuations:
+        """Each sibling's branch for the verifier, by absolute depth: drafts, their laws and targets (leaf query
+        p is the target at depth j + 1 + p)."""
         n, width, count = self.alternatives.shape
-        out = self.logits.new_zeros((n, width, count, self.logits.shape[-1]))
+        vocab = self.logits.shape[-1]
+        tokens = torch.full((n, width, count, width), -1, dtype=torch.long, device=self.tokens.device)
+        logits = self.branch_logits.new_zeros((n, width, count, width, vocab))
+        targets = self.logits.new_zeros((n, width, count, width + 1, vocab))
         r, s = (self.tokens >= 0).nonzero(as_tuple=True)
-        out[r, self.depth[r, s], self.alt[r, s]] = self.logits[r, s, 0]
-        return out
+        j, a = self.depth[r, s], self.alt[r, s]
+        tokens[r, j, a] = torch.where(torch.arange(width, device=j.device)[None, :] > j[:, None], self.branch[r, s], -1)
+        logits[r, j, a] = self.branch_logits[r, s]
+        i = torch.arange(width + 1, device=j.device)[None, :]
+        leaf = i - j[:, None] - 1  # [k, W + 1] the leaf query giving depth i
+        ok = (leaf >= 0) & (leaf < self.length[r, s][:, None])
+        picked = self.logits[r, s][torch.arange(r.numel(), device=j.device)[:, None], leaf.clamp(min=0)]
+        targets[r, j, a] = torch.where(ok[..., None], picked, 0.0)
+        return Continuations(tokens, logits, targets)
 
-    def taken(self, branch, chain) -> torch.Tensor:
-        """The accepted sibling (at depth ``chain``, alternative ``branch`` - 1) -> [R, S] bool."""
-        return ((self.tokens >= 0) & (branch > 0)[:, None] & (self.depth == chain[:, None])
-                & (self.alt == (branch - 1)[:, None]))
+    def _taken(self, outcome) -> torch.Tensor:
+        """The accepted sibling's slot -> [R, S] bool."""
+        return ((self.tokens >= 0) & (outcome.branch > 0)[:, None] & (self.depth == outcome.branch_depth[:, None])
+                & (self.alt == (outcome.branch - 1)[:, None]))
 
-    def store(self, state: _Decoding, rows, branch, chain) -> None:
-        """After an accepted sibling, its lookahead queries are the next round's draft logits (and features)."""
-        r, s = self.taken(branch, chain).nonzero(as_tuple=True)
-        cols = self.columns[r, s, 1:]  # [k, W]
+    def taken(self, outcome) -> torch.Tensor:
+        """The accepted branch tokens (the sibling and its accepted continuation) -> [R, S W] bool."""
+        took = self._taken(outcome)
+        i = torch.arange(self.branch.shape[2], device=took.device)
+        kept = (i[None, :] < outcome.num_accepted[:, None])[:, None, :] & (self.branch >= 0)
+        return (took[:, :, None] & kept).flatten(1)
+
+    def path(self, drafts, target_logits, outcome) -> dict:
+        """The path verification followed, for ``StepEvent``: drafts [R, W] and their target logits [R, W + 1, V]
+        with a taken branch in place (its sibling, its continuation and their targets), the taken sibling's
+        depth and the chain's draft it replaced [R] (-1: none)."""
+        drafts, target_logits = drafts.clone(), target_logits.clone()
+        r, s = self._taken(outcome).nonzero(as_tuple=True)
+        j = self.depth[r, s]
+        depth = torch.full_like(outcome.branch, -1)
+        replaced = torch.full_like(outcome.branch, -1)
+        depth[r], replaced[r] = j, drafts[r, j]
+        width = drafts.shape[1]
+        on_branch = torch.arange(width, device=j.device)[None, :] >= j[:, None]
+        drafts[r] = torch.where(on_branch & (self.branch[r, s] >= 0), self.branch[r, s], drafts[r])
+        leaf = torch.arange(width + 1, device=j.device)[None, :] - j[:, None] - 1  # [k, W + 1] leaf query per depth
+        mine = (leaf >= 0) & (leaf < self.length[r, s][:, None])
+        picked = self.logits[r, s][torch.arange(r.numel(), device=j.device)[:, None], leaf.clamp(min=0)]
+        target_logits[r] = torch.where(mine[..., None], picked, target_logits[r])
+        return {"drafts": drafts, "target_logits": target_logits, "branch_depth": depth, "replaced": replaced}
+
+    def store(self, state: _Decoding, rows, outcome) -> None:
+        """After an accepted sibling, its branch's queries are the next round's draft logits (and features)."""
+        r, s = self._taken(outcome).nonzero(as_tuple=True)
+        cols = self.columns[r, s]  # [k, 2W]
         ok = cols >= 0
         at_rows = rows[r][:, None].expand_as(cols)[ok]
-        state.draft_logits[at_rows, cols[ok] - state.start] = self.logits[r, s, 1:][ok]
+        state.draft_logits[at_rows, cols[ok] - state.start] = self.logits[r, s][ok]
         if self.features is not None:
-            state.draft_features[at_rows, cols[ok] - state.start] = self.features[r, s, 1:][ok]
+            state.draft_features[at_rows, cols[ok] - state.start] = self.features[r, s][ok]
         state.have[at_rows, cols[ok]] = True
 
 
 def _drafts(state, rows, candidates, temperature, generator, order, window):
-    """Window positions [R, W], counts [R], drafts [R, W] and the logits they were drawn from [R, W, V]."""
+    """Window positions [R, W], counts [R], drafts [R, W], the logits they were drawn from [R, W, V], and with a
+    head ``redraft(index, forced)``: its drafts for rows ``index`` [k] of these along forced paths (a draft
+    tree's branches; else None)."""
     n = rows.numel()
     if not window or state.draft_logits is None:
         empty = torch.zeros((n, 0), dtype=torch.long, device=rows.device)
         vocab = state.model.vocab_size
         return (empty, torch.zeros(n, dtype=torch.long, device=rows.device), empty,
-                torch.zeros((n, 0, vocab), device=rows.device))
+                torch.zeros((n, 0, vocab), device=rows.device), None)
     draft_logits, start = state.draft_logits[rows], state.start
     positions, count = choose_window(order, draft_logits, (candidates & state.have[rows])[:, start:], state.mask_id,
                                      window)  # answer columns; canvas columns below
@@ -311,15 +391,20 @@ def _drafts(state, rows, candidates, temperature, generator, order, window):
     if state.head is None:
         drafts, window_logits = independent_drafts(draft_logits[index[:, None], positions], state.mask_id,
                                                    temperature, generator)
-        return positions + start, count, drafts, window_logits
+        return positions + start, count, drafts, window_logits, None
     # The head: step 0 reads the last emitted token (the pending correction, which the window's queries
     # did not see, or else the last accepted draft) and its offset.
     columns = positions + start
     before = torch.cat([state.last_col[rows, None], columns[:, :-1]], dim=1)
-    drafts, window_logits = head_drafts(state.head, state.draft_features[rows[:, None], positions],
-                                        draft_logits[index[:, None], positions], state.last_tok[rows],
-                                        columns - before, temperature, generator, state.mask_id)
-    return columns, count, drafts, window_logits
+    inputs = (state.draft_features[rows[:, None], positions], draft_logits[index[:, None], positions],
+              state.last_tok[rows], columns - before)
+    drafts, window_logits = head_drafts(state.head, *inputs, temperature, generator, state.mask_id)
+
+    def redraft(which, forced):
+        return head_drafts(state.head, *(t[which] for t in inputs), temperature, bind_rows(generator, which),
+                           state.mask_id, forced=forced)
+
+    return columns, count, drafts, window_logits, redraft
 
 
 def _queries(x, candidates, positions, count, order, window, mask_id):

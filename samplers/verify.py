@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import torch
 
-from dllm.kernels.verify import Noise, VerifyResult, verify_logits, verify_tree_logits
+from dllm.kernels.verify import Continuations, Noise, VerifyResult, verify_logits, verify_tree_logits
 from dllm.kernels.verify import verify_probs as verify
 
-__all__ = ["Noise", "VerifyResult", "rejection_sample", "verify"]
+__all__ = ["Continuations", "Noise", "VerifyResult", "rejection_sample", "verify"]
 
 
 def rejection_sample(
@@ -30,16 +30,18 @@ def rejection_sample(
     has_bonus: torch.Tensor | None = None,  # [B] bool; default: True iff target has K + 1 rows
     alternatives: torch.Tensor | None = None,  # [B, K, A] a draft tree's further candidates per depth (-1: none)
     leaf_logits: torch.Tensor | None = None,  # [B, K, A, V] the target after each alternative
+    continuations: Continuations | None = None,  # or: drafts after each alternative, with their targets
 ) -> VerifyResult:
     """Accept drafts while u < target/draft, then one correction or bonus (Triton or reference); with
     ``alternatives``, a draft tree by the recursive rule (``dllm.kernels.verify``)."""
     if not isinstance(noise, Noise):
         raise ValueError(f"rejection_sample: noise must be a dllm.samplers.verify.Noise, got {type(noise).__name__}")
     if alternatives is not None:
-        if draft_logits is None or leaf_logits is None:
+        if draft_logits is None or (leaf_logits is None) == (continuations is None):
             raise ValueError("rejection_sample: a draft tree needs draft_logits (the law its candidates were drawn "
-                             "from) and leaf_logits")
+                             "from) and either leaf_logits or continuations")
         return verify_tree_logits(draft_tokens, alternatives, draft_logits, target_logits, leaf_logits, num_drafts,
-                                  temperature=temperature, has_bonus=has_bonus, noise=noise)
+                                  temperature=temperature, has_bonus=has_bonus, noise=noise,
+                                  continuations=continuations)
     return verify_logits(draft_tokens, draft_logits, target_logits, num_drafts, temperature=temperature,
                          has_bonus=has_bonus, noise=noise)

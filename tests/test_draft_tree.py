@@ -14,7 +14,7 @@ import torch
 from scipy import stats as scipy_stats
 
 import dllm
-from dllm.kernels.verify import Noise, verify_tree_logits
+from dllm.kernels.verify import Continuations, Noise, verify_tree_logits
 from dllm.models.ar_heads import EagleHead, HeadConfig
 from dllm.models.oracle import HMMOracle
 from dllm.models.transformer import TransformerConfig, TransformerLM
@@ -115,6 +115,83 @@ def test_tree_rule_without_alternatives_is_the_chain_rule():
                               noise=Noise(**noise))
     chain = rejection_sample(drafts, draft_logits, target, temperature=1.0, noise=Noise(**noise))
     assert torch.equal(tree.tokens, chain.tokens) and torch.equal(tree.num_accepted, chain.num_accepted)
+
+
+def _branch_round(temperature: float, blind: bool = False, n: int = 120_000, seed: int = 7):
+    """One tree round of depth 3 with continuations (``Continuations``) on a known chain p(x0), p(x1 | x0),
+    p(x2 | x0 x1), p(x3 | x0 x1 x2) -> (result, laws). Drafts are causal (q_i given the token before), two
+    alternatives per depth, and each alternative's continuation is drafted after it. ``blind``: the
+    continuation is tested against the chain's targets instead of its own (the power case)."""
+    torch.manual_seed(seed)
+    laws = [torch.randn(*(VOCAB,) * (i + 1)) * 2 for i in range(4)]
+    q = [torch.randn(VOCAB) * 2] + [torch.randn(VOCAB, VOCAB) * 2 for _ in range(2)]  # q_i[token before]
+    generator = torch.Generator().manual_seed(seed + 1)
+
+    def draft(i, before):  # -> (tokens [n], logits [n, V]) at depth i given the token before
+        logits = q[0].expand(n, -1) if i == 0 else q[i][before]
+        return sample_from_logits(logits, temperature, generator), logits
+
+    def target(path):  # the target at depth len(path) after ``path`` (list of [n] tokens)
+        return laws[len(path)][tuple(path)] if path else laws[0].expand(n, -1)
+
+    width, count = 3, 2
+    chain, chain_logits, alternatives = [], [], []
+    for i in range(width):
+        token, logits = draft(i, chain[-1] if chain else None)
+        chain.append(token)
+        chain_logits.append(logits)
+        alternatives.append(sample_more(logits, token, count, temperature, generator))
+    targets = torch.stack([target(chain[:i]) for i in range(width + 1)], dim=1)
+    cont_tokens = torch.full((n, width, count, width), -1, dtype=torch.long)
+    cont_logits = torch.zeros(n, width, count, width, VOCAB)
+    cont_targets = torch.zeros(n, width, count, width + 1, VOCAB)
+    for j in range(width):
+        for a in range(count):
+            path = chain[:j] + [alternatives[j][:, a].clamp(min=0)]
+            for i in range(j + 1, width + 1):
+                cont_targets[:, j, a, i] = targets[:, i] if blind else target(path)
+                if i < width:
+                    token, logits = draft(i, path[-1])
+                    cont_tokens[:, j, a, i], cont_logits[:, j, a, i] = token, logits
+                    path = path + [token]
+    result = verify_tree_logits(torch.stack(chain, 1), torch.stack(alternatives, 1), torch.stack(chain_logits, 1),
+                                targets, None, temperature=temperature, noise=Noise(generator=generator),
+                                continuations=Continuations(cont_tokens, cont_logits, cont_targets))
+    return result, laws
+
+
+def _path_pvalue(result, laws, temperature: float, depth: int) -> float:
+    """Bonferroni-corrected smallest p-value of x_i given x_<i against p(x_i | x_<i), for i < depth, over the
+    rows that emitted i + 1 tokens (each prefix with at least 50 such rows)."""
+    tokens, pvalues = result.tokens, []
+    for i in range(depth):
+        emitted = result.num_emitted > i
+        prefixes = torch.unique(tokens[emitted, :i], dim=0) if i else torch.zeros(1, 0, dtype=torch.long)
+        for prefix in prefixes:
+            rows = emitted & (tokens[:, :i] == prefix).all(dim=1)
+            if int(rows.sum()) < 50:
+                continue
+            observed = torch.bincount(tokens[rows, i], minlength=VOCAB).double()
+            law = laws[i][tuple(prefix.tolist())] if i else laws[0]
+            expected = torch.softmax(law.double() / temperature, -1) * observed.sum()
+            pvalues.append(scipy_stats.chisquare(observed, expected).pvalue)
+    return min(pvalues) * len(pvalues)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_tree_rule_with_continuations_exact(temperature):
+    """An accepted alternative's continuation is verified against its own targets: every emitted token follows
+    the chain, through the bonus after a full branch; continuations did run (tokens after an alternative)."""
+    result, laws = _branch_round(temperature)
+    assert _path_pvalue(result, laws, temperature, 4) > ALPHA
+    took = result.branch > 0
+    assert bool((result.num_accepted[took] > result.branch_depth[took] + 1).any())  # continuation drafts accepted
+    assert bool((result.num_emitted == 4).any())
+
+
+def test_power_tree_rule_with_continuations_on_the_chain_targets_fails():
+    result, laws = _branch_round(1.0, blind=True)
+    assert _path_pvalue(result, laws, 1.0, 4) < 1e-6
 
 
 def _sample(model, temperature, candidates, **options):

@@ -46,19 +46,25 @@ def test_hand_built_fef_round_is_classified():
 
 
 def test_a_taken_sibling_is_shown_in_place_of_the_rejected_draft():
-    """A draft tree's round (branch > 0): the sibling is the last accepted token and notes the chain's draft
-    it replaced; the leaf's token after it is a bonus, not a correction of the draft there."""
+    """A draft tree's round (branch > 0): the sibling notes the chain's draft it replaced (``replaced``); on a
+    two-stream fef the drafts after it are its branch's, accepted or corrected like a chain's; ar_spec's leaf
+    token after it is a bonus, not a correction of the draft there."""
     mask = 9
-    event = StepEvent(**{"sampler": "fef", "rows": torch.tensor([0]), "offset": 2,
-             "x": torch.tensor([[1, 1, 7, 5, 6, mask]]), "window": torch.tensor([[2, 3, 4, 5]]),
-             "drafts": torch.tensor([[7, 8, 3, 4]]), "num_drafts": torch.tensor([4]),
-             "num_accepted": torch.tensor([2]), "branch": torch.tensor([1]),
-             "revealed": torch.tensor([[2, 3, 4, -1, -1]])})
+    tree = {"branch": torch.tensor([1]), "branch_depth": torch.tensor([1]), "replaced": torch.tensor([8])}
+    common = {"sampler": "fef", "rows": torch.tensor([0]), "offset": 2, "window": torch.tensor([[2, 3, 4, 5]]),
+              "num_drafts": torch.tensor([4]), **tree}
+    event = StepEvent(**common, x=torch.tensor([[1, 1, 7, 5, 6, 2]]), drafts=torch.tensor([[7, 5, 6, 4]]),
+                      num_accepted=torch.tensor([3]), revealed=torch.tensor([[2, 3, 4, 5, -1]]))
     (round_,) = trace_rounds([event], mask_token_id=mask)
     cells = [(c.token, c.kind, c.note) for c in round_.cells]
-    assert cells == [(7, "accepted", None), (5, "accepted", 8), (6, "fixed", None), (4, "rejected", None)]
-    ar = StepEvent("ar_spec", torch.tensor([0]), torch.tensor([[1, 1, 7, 5, 6]]), drafts=torch.tensor([[7, 8, 3, 4]]),
-                   num_drafts=torch.tensor([4]), num_accepted=torch.tensor([2]), branch=torch.tensor([1]))
+    assert cells == [(7, "accepted", None), (5, "accepted", 8), (6, "accepted", None), (2, "fixed", 4)]
+    event = StepEvent(**common, x=torch.tensor([[1, 1, 7, 5, 6, mask]]), drafts=torch.tensor([[7, 5, 3, 4]]),
+                      num_accepted=torch.tensor([2]), revealed=torch.tensor([[2, 3, 4, -1, -1]]))
+    (round_,) = trace_rounds([event], mask_token_id=mask)
+    cells = [(c.token, c.kind, c.note) for c in round_.cells]
+    assert cells == [(7, "accepted", None), (5, "accepted", 8), (6, "fixed", 3), (4, "rejected", None)]
+    ar = StepEvent("ar_spec", torch.tensor([0]), torch.tensor([[1, 1, 7, 5, 6]]), drafts=torch.tensor([[7, 5, 3, 4]]),
+                   num_drafts=torch.tensor([4]), num_accepted=torch.tensor([2]), **tree)
     (round_,) = trace_rounds([ar], prompt_length=2)
     cells = [(c.token, c.kind, c.note) for c in round_.cells]
     assert cells == [(7, "accepted", None), (5, "accepted", 8), (6, "fixed", None), (3, "rejected", None),

@@ -555,15 +555,21 @@ def test_pairs_split_holds_out_the_last_pairs(tmp_path):
 # ---- fef's draft trees on this layout (draft_candidates; samplers/two_stream.py: _Tree) ----
 
 def _branches(monkeypatch):
-    """Spy on the verifier: how many rows accepted a sibling (a list, appended per round)."""
+    """Spy on the verifier: how many rows accepted a sibling (a list, appended per round; its attribute
+    ``continued``: how many of them accepted continuation drafts after it)."""
     import dllm.samplers.two_stream as two_stream
 
-    taken, real = [], two_stream.rejection_sample
+    class Taken(list):
+        pass
+
+    taken, real = Taken(), two_stream.rejection_sample
+    continued = taken.continued = []
 
     def spy(*args, **kwargs):
         outcome = real(*args, **kwargs)
         if outcome.branch is not None:
             taken.append(int((outcome.branch > 0).sum()))
+            continued.append(int((outcome.num_accepted > outcome.branch_depth + 1)[outcome.branch > 0].sum()))
         return outcome
 
     monkeypatch.setattr(two_stream, "rejection_sample", spy)
@@ -589,7 +595,7 @@ def test_fef_draft_trees_are_exact(model, monkeypatch, draft, candidates, below,
     head = {"draft_head": _random_head(model, scale=3.0 if below is None else 0.5)} if draft == "head" else {}
     out = _sample(model, "fef", 3000, temperature, "left_to_right", block_length, window=window, draft=draft,
                   draft_candidates=candidates, candidates_below=below, **head)
-    assert out.exact and sum(taken) > 100
+    assert out.exact and sum(taken) > 100 and sum(taken.continued) > (30 if window > 2 else 0)
     assert chi_square_pvalue(out.sequences[:, 3:], law) > ALPHA
 
 
@@ -607,6 +613,26 @@ def test_a_sibling_whose_queries_do_not_see_it_fails(model, monkeypatch):
     monkeypatch.setattr(two_stream._Tree, "inputs", blind)
     law = enumerated_law(model, PROMPT, 4, 1.0, "left_to_right", 4)
     out = _sample(model, "fef", 3000, 1.0, "left_to_right", 4, window=4, draft_candidates=2)
+    assert chi_square_pvalue(out.sequences[:, 3:], law) < ALPHA
+
+
+def test_a_branch_whose_queries_see_only_its_sibling_fails(model, monkeypatch):
+    """The test has power for the continuations: branch queries that see the sibling but not the
+    continuation drafts after it (so the targets there condition on the wrong prefix) are not the chain."""
+    import dllm.samplers.two_stream as two_stream
+
+    real = two_stream._Tree.inputs
+
+    def blind(self, *args):
+        *inputs, extra = real(self, *args)
+        ranges, per = extra["query_extra"].clone(), self.columns.shape[2]
+        tree = ranges[:, ranges.shape[1] - self.columns.shape[1] * per:]  # [R, S 2W, 2]: the branches' queries
+        tree[..., 1] = torch.minimum(tree[..., 1], tree[..., 0] + self.depth.repeat_interleave(per, dim=1) + 1)
+        return (*inputs, {**extra, "query_extra": ranges})
+
+    monkeypatch.setattr(two_stream._Tree, "inputs", blind)
+    law = enumerated_law(model, PROMPT, 4, 1.0, "left_to_right", 4)
+    out = _sample(model, "fef", 20000, 1.0, "left_to_right", 4, window=4, draft_candidates=3)
     assert chi_square_pvalue(out.sequences[:, 3:], law) < ALPHA
 
 
@@ -633,23 +659,24 @@ def test_greedy_fef_with_trees_equals_greedy_sequential(model, monkeypatch, opti
 
 @pytest.mark.parametrize("draft", ["marginal", "head"])
 def test_after_a_taken_sibling_the_next_window_drafts_from_queries_that_saw_it(model, monkeypatch, draft):
-    """The sibling's own lookahead queries become the stored draft logits (and, with a head, features): equal
-    to an uncached call that sees every revealed token but the pending one (what the chain's lookahead gives
-    after a full window)."""
+    """After a sibling's branch is accepted to its end, the branch's own lookahead queries become the stored
+    draft logits (and, with a head, features): equal to an uncached call that sees every revealed token but
+    the pending one (what the chain's lookahead gives after a full window)."""
     import dllm.samplers.two_stream as two_stream
 
-    real, verify, checked, branches = two_stream.two_stream_round, two_stream.rejection_sample, [], []
+    real, verify, checked, outcomes = two_stream.two_stream_round, two_stream.rejection_sample, [], []
 
     def spy(*args, **kwargs):
         outcome = verify(*args, **kwargs)
-        branches.append(outcome.branch)
+        outcomes.append(outcome)
         return outcome
 
     def checking(state, rows, *args, **kwargs):
         info = real(state, rows, *args, **kwargs)
-        branch = branches[-1] if branches else None
+        outcome = outcomes[-1] if outcomes else None
         for i, row in enumerate(rows.tolist()):
-            if branch is None or not branch[i] or not bool((state.canvas.x[row] == MASK).any()):
+            taken = outcome is not None and outcome.branch is not None and bool(outcome.branch[i])
+            if not taken or outcome.num_accepted[i] < info["num_drafts"][i] or not bool((state.canvas.x[row] == MASK).any()):
                 continue
             x = state.canvas.x[row]
             seen = x != MASK
@@ -672,10 +699,10 @@ def test_after_a_taken_sibling_the_next_window_drafts_from_queries_that_saw_it(m
     monkeypatch.setattr(two_stream, "rejection_sample", spy)
     with torch.no_grad():
         head = {"draft": "head", "draft_head": _random_head(model, scale=0.5)} if draft == "head" else {}
-        dllm.generate(model, PROMPT[None].expand(32, -1), sampler="fef", max_new_tokens=12, temperature=1.0,
+        dllm.generate(model, PROMPT[None].expand(64, -1), sampler="fef", max_new_tokens=12, temperature=1.0,
                       generator=torch.Generator().manual_seed(0), eos_token_id=None, window=3, draft_candidates=3,
                       **head)
-    assert len(checked) > 20
+    assert len(checked) > 20, len(checked)
 
 
 def test_tree_refusals_name_the_option(model):

@@ -138,22 +138,23 @@ class TwoStreamLM(nn.Module):
         append: bool = False,
         hidden: bool = False,
         content_sees: Tensor | None = None,  # [R, C] content i sees this call's j < content_sees[i] (default i + 1)
-        query_extra: Tensor | None = None,  # [R, Q] one more content token a query sees (-1: none)
+        content_extra: Tensor | None = None,  # [R, C, 2] a range [start, stop) of this call's content it also sees
+        query_extra: Tensor | None = None,  # [R, Q, 2] likewise for a query (start >= stop: none)
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Query logits [R, Q, V]: the token at query_pos given cache + content[:sees]; with ``append`` the
         content's keys/values join the cache (tentatively: ``RevealCache.keep`` drops rejected ones).
         ``hidden``: ``(logits, features [R, Q, dim])``, the final-normed query states (a draft head's input).
 
-        A draft tree (samplers/two_stream.py) puts the sibling of draft d_j after the chain with
-        ``content_sees`` = the content before d_j, so it is revealed right after d_<j, and the queries after
-        the sibling see that prefix plus the sibling (``query_extra``)."""
+        A draft tree (samplers/two_stream.py) puts the branch of a sibling of draft d_j after the chain: its
+        tokens see the content before d_j (``content_sees``) and the branch before them (``content_extra``), so
+        the branch is revealed right after d_<j; its queries see the same prefix and branch (``query_extra``)."""
         n, width = content_ids.shape
         if rows is None:
             rows = torch.arange(n, device=content_ids.device)
         past = cache.rows(rows) if cache is not None else None
         tokens = torch.cat([content_ids, torch.full_like(query_pos, self.mask_token_id)], dim=1)
         positions = torch.cat([content_pos, query_pos], dim=1)
-        mask = _stream_mask(content_valid, query_sees, content_sees, query_extra)  # [R, C + Q, C + Q]
+        mask = _stream_mask(content_valid, query_sees, content_sees, content_extra, query_extra)  # [R, C + Q, C + Q]
         if past is not None and past.length:
             mask = torch.cat([past.valid[:, None, :].expand(-1, mask.shape[1], -1), mask], dim=2)
         h, new_kv = self.base.layer_states(tokens, positions, rearrange(mask, "b q k -> b 1 q k"), past)
@@ -206,12 +207,12 @@ def is_two_stream_folder(folder: str | Path) -> bool:
 
 
 def _stream_mask(content_valid: Tensor, query_sees: Tensor, content_sees: Tensor | None = None,
-                 query_extra: Tensor | None = None) -> Tensor:
+                 content_extra: Tensor | None = None, query_extra: Tensor | None = None) -> Tensor:
     """Who attends to whom among this call's tokens (True = attend).  # [R, C + Q, C + Q]
 
-    Content i sees valid content j <= i (j < content_sees[i] when given); query q sees valid content
-    j < sees[q], content query_extra[q] (when given and >= 0) and itself. Every token sees itself, so no
-    row of the mask is empty (invalid entries' outputs are never read).
+    Content i sees valid content j <= i (j < content_sees[i] when given) and j in the range content_extra[i]
+    (when given); query q sees valid content j < sees[q], j in the range query_extra[q] (when given) and
+    itself. Every token sees itself, so no row of the mask is empty (invalid entries' outputs are never read).
     """
     n, width = content_valid.shape
     num_queries = query_sees.shape[1]
@@ -220,12 +221,19 @@ def _stream_mask(content_valid: Tensor, query_sees: Tensor, content_sees: Tensor
         content_rows = (j[None, :, None] >= j[None, None, :]) & content_valid[:, None, :]  # [R, C, C]
     else:
         content_rows = (j[None, None, :] < content_sees[:, :, None]) & content_valid[:, None, :]
+    if content_extra is not None:
+        content_rows |= _in_range(j, content_extra) & content_valid[:, None, :]
     query_rows = (j[None, None, :] < query_sees[:, :, None]) & content_valid[:, None, :]  # [R, Q, C]
     if query_extra is not None:
-        query_rows |= (j[None, None, :] == query_extra[:, :, None]) & content_valid[:, None, :]
+        query_rows |= _in_range(j, query_extra) & content_valid[:, None, :]
     eye_c = torch.eye(width, dtype=torch.bool, device=content_valid.device).expand(n, -1, -1)
     eye_q = torch.eye(num_queries, dtype=torch.bool, device=content_valid.device).expand(n, -1, -1)
     top = torch.cat([content_rows | eye_c, torch.zeros(n, width, num_queries, dtype=torch.bool,
                                                        device=content_valid.device)], dim=2)
     bottom = torch.cat([query_rows, eye_q], dim=2)
     return torch.cat([top, bottom], dim=1)
+
+
+def _in_range(j: Tensor, ranges: Tensor) -> Tensor:
+    """Whether content index j [C] lies in each range [start, stop) of ``ranges`` [R, N, 2] -> [R, N, C]."""
+    return (j[None, None, :] >= ranges[..., :1]) & (j[None, None, :] < ranges[..., 1:])
