@@ -676,7 +676,8 @@ def test_after_a_taken_sibling_the_next_window_drafts_from_queries_that_saw_it(m
         outcome = outcomes[-1] if outcomes else None
         for i, row in enumerate(rows.tolist()):
             taken = outcome is not None and outcome.branch is not None and bool(outcome.branch[i])
-            if not taken or outcome.num_accepted[i] < info["num_drafts"][i] or not bool((state.canvas.x[row] == MASK).any()):
+            done = not bool((state.canvas.x[row] == MASK).any())
+            if not taken or outcome.num_accepted[i] < info["num_drafts"][i] or done:
                 continue
             x = state.canvas.x[row]
             seen = x != MASK
