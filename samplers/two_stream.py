@@ -222,6 +222,9 @@ class _Tree:
         self.columns = columns  # [R, S, 2W] its queries' canvas columns (-1: none): L leaves, then W lookahead
         self.logits: torch.Tensor | None = None  # [R, S, 2W, V] after the call
         self.features: torch.Tensor | None = None
+        # The packing of the call (``inputs``): content index of each branch token [R, S, W] among the branch
+        # content (C_b per row), and of each valid query [R, S, 2W] among the branch queries
+        self.c_index = self.c_total = self.q_index = self.q_valid = None
 
     @classmethod
     def grow(cls, drafts, window_logits, count, positions, masked, window, candidates, below, temperature,
@@ -277,38 +280,62 @@ class _Tree:
     def inputs(self, content_ids, content_pos, content_valid, q_col, sees, k_pending: int):
         """The call's content and queries with the branches' -> (content ids, positions, valid, query columns,
         prefix each query sees, the ``streams`` keywords ``content_sees``, ``content_extra`` and ``query_extra``).
-        Branch (row, s) has W content slots by depth (its token at depth i in slot i, at s_i's position; slots
-        before its sibling's depth j are empty) and 2W queries at its columns."""
+        A row's branches are packed after the chain, each contiguous: its L tokens in depth order (the token
+        at depth i at s_i's position), then, among the queries, its L + W (fewer at the canvas's end)."""
         n, width = content_ids.shape
         size, window = self.branch.shape[1:]
         device = content_ids.device
-        i = torch.arange(window, device=device)
         before = k_pending + self.depth  # [R, S] the chain content a branch sees: pending, d_<j
-        first = (width + torch.arange(size, device=device) * window)[None, :, None].expand(n, size, window)
-        c_sees = torch.cat([torch.arange(1, width + 1, device=device).expand(n, -1),
-                            before.repeat_interleave(window, dim=1)], dim=1)
-        c_extra = torch.cat([torch.zeros((n, width, 2), dtype=torch.long, device=device),
-                             torch.stack([first, first + i], dim=-1).flatten(1, 2)], dim=1)  # depths < i (and itself)
+        # Where each branch token and query goes among the row's branch content / branch queries.
+        c_valid, q_valid = self.branch >= 0, self.columns >= 0  # [R, S, W], [R, S, 2W]
+        c_first = width + _exclusive_cumsum(self.length)  # [R, S] the branch's first content index
+        c_index = c_first[:, :, None] + torch.arange(window, device=device) - self.depth[:, :, None]  # at depth i
+        q_index = _exclusive_cumsum(q_valid.sum(dim=2))[:, :, None] + torch.arange(2 * window, device=device)
+        c_total, q_total = int(self.length.sum(dim=1).max()), int(q_valid.sum(dim=(1, 2)).max())
+        self.c_index, self.c_total, self.q_index, self.q_valid = c_index - width, c_total, q_index, q_valid
+        rows_c = torch.arange(n, device=device)[:, None, None].expand_as(c_index)[c_valid]
+        rows_q = torch.arange(n, device=device)[:, None, None].expand_as(q_index)[q_valid]
+        at_c, at_q = c_index[c_valid] - width, q_index[q_valid]
+
+        def packed(values, total, rows, at, fill=0):
+            out = values.new_full((n, total, *values.shape[1:]), fill)
+            out[rows, at] = values
+            return out
+
+        ids = packed(self.branch[c_valid], c_total, rows_c, at_c)
+        pos = packed(content_pos[:, k_pending:][:, None, :].expand(-1, size, -1)[c_valid], c_total, rows_c, at_c)
+        valid = packed(torch.ones_like(at_c, dtype=torch.bool), c_total, rows_c, at_c, False)
+        first = c_first[:, :, None].expand_as(c_index)
+        c_sees = packed(before[:, :, None].expand_as(c_index)[c_valid], c_total, rows_c, at_c, 1)
+        c_range = packed(torch.stack([first, c_index], dim=-1)[c_valid], c_total, rows_c, at_c)  # depths j .. i - 1
         # Query p < L is the leaf of the branch's token at depth j + p and sees the branch through it; the
         # lookahead (p >= L) sees the whole branch.
         p = torch.arange(2 * window, device=device)
-        stop = self.depth[:, :, None] + torch.minimum(p[None, None, :] + 1, self.length[:, :, None])  # [R, S, 2W]
-        q_first = first[:, :, :1].expand_as(stop)
-        q_extra = torch.cat([torch.zeros((*q_col.shape, 2), dtype=torch.long, device=device),
-                             torch.stack([q_first, q_first + stop], dim=-1).flatten(1, 2)], dim=1)
-        return (torch.cat([content_ids, self.branch.clamp(min=0).flatten(1)], dim=1),
-                torch.cat([content_pos, content_pos[:, k_pending:].repeat(1, size)], dim=1),  # depth i at s_i
-                torch.cat([content_valid, (self.branch >= 0).flatten(1)], dim=1),
-                torch.cat([q_col, self.columns.flatten(1).clamp(min=0)], dim=1),
-                torch.cat([sees, before.repeat_interleave(2 * window, dim=1)], dim=1),
-                {"content_sees": c_sees, "content_extra": c_extra, "query_extra": q_extra})
+        stop = c_first[:, :, None] + torch.minimum(p + 1, self.length[:, :, None])  # [R, S, 2W]
+        q_cols = packed(self.columns[q_valid], q_total, rows_q, at_q)
+        q_sees = packed(before[:, :, None].expand_as(q_index)[q_valid], q_total, rows_q, at_q)
+        q_range = packed(torch.stack([c_first[:, :, None].expand_as(stop), stop], dim=-1)[q_valid], q_total, rows_q,
+                         at_q)
+        zeros = torch.zeros((n, width, 2), dtype=torch.long, device=device)
+        return (torch.cat([content_ids, ids], dim=1), torch.cat([content_pos, pos], dim=1),
+                torch.cat([content_valid, valid], dim=1), torch.cat([q_col, q_cols], dim=1),
+                torch.cat([sees, q_sees], dim=1),
+                {"content_sees": torch.cat([torch.arange(1, width + 1, device=device).expand(n, -1), c_sees], dim=1),
+                 "content_extra": torch.cat([zeros, c_range], dim=1),
+                 "query_extra": torch.cat([torch.zeros_like(zeros[:, :1]).expand(n, q_col.shape[1], 2), q_range],
+                                          dim=1)})
 
     def split(self, logits, features, chain_queries: int):
-        """Keep the branches' query outputs; return the chain's (logits, features)."""
-        size, per = self.columns.shape[1:]
-        self.logits = logits[:, chain_queries:].unflatten(1, (size, per))
+        """Keep the branches' query outputs as [R, S, 2W, ...] (zeros where none); return the chain's."""
+        def unpack(values):
+            rows = torch.arange(values.shape[0], device=values.device)[:, None, None].expand_as(self.q_index)
+            out = values.new_zeros((*self.q_index.shape, values.shape[-1]))
+            out[self.q_valid] = values[:, chain_queries:][rows[self.q_valid], self.q_index[self.q_valid]]
+            return out
+
+        self.logits = unpack(logits)
         if features is not None:
-            self.features = features[:, chain_queries:].unflatten(1, (size, per))
+            self.features = unpack(features)
             features = features[:, :chain_queries]
         return logits[:, :chain_queries], features
 
@@ -337,11 +364,15 @@ class _Tree:
                 & (self.alt == (outcome.branch - 1)[:, None]))
 
     def taken(self, outcome) -> torch.Tensor:
-        """The accepted branch tokens (the sibling and its accepted continuation) -> [R, S W] bool."""
+        """The accepted branch tokens (the sibling and its accepted continuation) among the call's branch
+        content -> [R, C_b] bool."""
         took = self._taken(outcome)
         i = torch.arange(self.branch.shape[2], device=took.device)
-        kept = (i[None, :] < outcome.num_accepted[:, None])[:, None, :] & (self.branch >= 0)
-        return (took[:, :, None] & kept).flatten(1)
+        kept = took[:, :, None] & (i[None, :] < outcome.num_accepted[:, None])[:, None, :] & (self.branch >= 0)
+        out = torch.zeros((took.shape[0], self.c_total), dtype=torch.bool, device=took.device)
+        rows = torch.arange(took.shape[0], device=took.device)[:, None, None].expand_as(kept)
+        out[rows[kept], self.c_index[kept]] = True
+        return out
 
     def path(self, drafts, target_logits, outcome) -> dict:
         """The path verification followed, for ``StepEvent``: drafts [R, W] and their target logits [R, W + 1, V]
@@ -372,6 +403,11 @@ class _Tree:
         if self.features is not None:
             state.draft_features[at_rows, cols[ok] - state.start] = self.features[r, s][ok]
         state.have[at_rows, cols[ok]] = True
+
+
+def _exclusive_cumsum(counts: torch.Tensor) -> torch.Tensor:
+    """Per row, the sum of the counts before each one [R, S] -> [R, S]."""
+    return counts.cumsum(dim=1) - counts
 
 
 def _drafts(state, rows, candidates, temperature, generator, order, window):

@@ -625,9 +625,8 @@ def test_a_branch_whose_queries_see_only_its_sibling_fails(model, monkeypatch):
 
     def blind(self, *args):
         *inputs, extra = real(self, *args)
-        ranges, per = extra["query_extra"].clone(), self.columns.shape[2]
-        tree = ranges[:, ranges.shape[1] - self.columns.shape[1] * per:]  # [R, S 2W, 2]: the branches' queries
-        tree[..., 1] = torch.minimum(tree[..., 1], tree[..., 0] + self.depth.repeat_interleave(per, dim=1) + 1)
+        ranges = extra["query_extra"].clone()  # [R, Q, 2]: a branch query's range starts at its sibling
+        ranges[..., 1] = torch.minimum(ranges[..., 1], ranges[..., 0] + 1)
         return (*inputs, {**extra, "query_extra": ranges})
 
     monkeypatch.setattr(two_stream._Tree, "inputs", blind)
