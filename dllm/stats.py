@@ -36,8 +36,9 @@ class DecodeStats:
     - ``rounds``: row-rounds: every step or verification round counts once per row that took part.
     - ``drafted`` / ``accepted``: draft tokens proposed to, and accepted by, the verification core. A draft
       tree (``draft_candidates`` of ar_spec, or of fef on a two-stream model) counts its depths: a depth is
-      drafted once however many candidates it had, and accepted when any of them was (an accepted alternative
-      is the round's last draft); ``siblings_taken`` counts the row-rounds that accepted an alternative.
+      drafted once however many candidates it had, and accepted when any of them was (ar_spec: an accepted
+      alternative is the round's last draft; fef on a two-stream model: its branch's drafts after it count at
+      their depths); ``siblings_taken`` counts the row-rounds that accepted an alternative.
     - ``mean_acceptance_length``: ``new_tokens / rounds``, i.e. tokens emitted per row per round,
       INCLUDING the correction or bonus token of a speculative round (vLLM's convention; gpt-fast
       counts accepted drafts only, which is ``accepted / rounds`` here). For non-speculative samplers

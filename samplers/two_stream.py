@@ -27,7 +27,8 @@ which those queries did not see), still without a call of its own. Left to right
 the law (position order is the reveal order), so the answer is decoded as one block and windows run
 across the model's blocks. ``cache`` may be ``auto`` or ``none``: the reveal-order cache is exact, so both
 give the same law. ``draft_candidates`` > 1 (left to right) adds a draft tree to the same call: siblings of
-each draft with their own queries (``_Tree``), verified by the recursive rule. Limit: the draft-logit
+each draft, each the root of a branch drafted after it, with their own queries (``_Tree``), verified by the
+recursive rule and then the chain rule down the taken branch. Limit: the draft-logit
 buffer is [B, N, V] over the N answer columns (the prompt's are never drafted), in the logits' dtype: 2 GB
 at LLaDA's vocabulary for 8 rows of 512 answer tokens in float32 (to chunk, or keep only live columns).
 """
@@ -83,8 +84,8 @@ def decode(model, prompt, gen_length, *, temperature, generator, stats: DecodeSt
     ``draft_head`` (a ``DraftHead`` with ``condition_first``): drafts come from it, step j reading the
     stored query features and logits at s_j and the token before (the last round's correction at step 0),
     in W head steps and no extra call; None drafts the stored query logits independently.
-    ``draft_candidates`` > 1 (left to right): a draft tree (``_Tree``), siblings only where the draft's
-    temperature-1 probability is below ``candidates_below`` when given."""
+    ``draft_candidates`` > 1 (left to right): a draft tree (``_Tree``), siblings (each with its branch) only where
+    the draft's temperature-1 probability is below ``candidates_below`` when given."""
     if draft_candidates > 1 and order != "left_to_right":
         raise ValueError(f"draft_candidates={draft_candidates}: draft trees on a two-stream model run left to right; "
                          f"got order={order!r}")
