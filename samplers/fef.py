@@ -41,10 +41,10 @@ from dllm.numerics import bind_rows, forbid_token
 from dllm.stats import DecodeStats
 
 from .canvas import View
-from .drafters import MarginalDrafts, StaleDrafts
+from .drafters import Draft, MarginalDrafts, StaleDrafts, more_candidates
 from .fef_head import HeadDrafts
 from .order import choose_window, pick_next
-from .verify import Noise, rejection_sample
+from .verify import Continuations, Noise, rejection_sample
 
 DRAFT_SOURCES = ("marginal", "stale", "head")
 VERIFIERS = ("copies", "structured")
@@ -94,9 +94,18 @@ class FefStepper:
         rows = torch.arange(x.shape[0], device=x.device)
         positions, count = choose_window(self.order, draft_logits, view.candidates(x), mask_id, self.window)
         drafts, window_logits = self.source.sample(view, draft_logits, positions, self.temperature, generator)
+        tree = _CopyTree.grow(self.source, drafts, window_logits, count, self.draft_candidates - 1,
+                              self.candidates_below, self.temperature, generator,
+                              skip_first=draft_is_state) if self.draft_candidates > 1 else None
 
         copies, copy_index, row_of = _build_copies(x, positions, drafts, count, skip_first=draft_is_state)
+        if tree is not None:  # the branches' copies join the call
+            copies, row_of = tree.add_copies(x, positions, count, copies, row_of)
         copy_logits = view.call(copies, row_of)
+        if tree is not None:
+            chain = copies.shape[0] - tree.size
+            copy_logits = tree.split(copy_logits, pick_next(self.order, copy_logits[chain:],
+                                                            view.candidates(copies[chain:]), mask_id), positions)
         all_logits = torch.cat([draft_logits, copy_logits]) if draft_is_state else copy_logits
         all_tokens = torch.cat([x, copies]) if draft_is_state else copies
         if draft_is_state:  # the draft call was made on x itself: it is copy 0, stored first in all_logits
@@ -115,10 +124,15 @@ class FefStepper:
         target_positions[rows, num_drafts] = picks[rows, num_drafts].clamp(min=0)
         has_bonus = picks[rows, num_drafts] >= 0
         target_logits = forbid_token(all_logits[copy_index.clamp(min=0), target_positions], mask_id)  # [R, W+1, V]
+        verify = {} if tree is None else {"alternatives": tree.alternatives,
+                                          "continuations": tree.continuations(mask_id)}
         outcome = rejection_sample(drafts, window_logits, target_logits, num_drafts, temperature=self.temperature,
-                                   has_bonus=has_bonus, noise=Noise(generator=generator))
+                                   has_bonus=has_bonus, noise=Noise(generator=generator), **verify)
         next_logits = all_logits[copy_index[rows, outcome.num_accepted]]
-        return self._reveal(view, positions, drafts, num_drafts, target_positions, outcome, next_logits, target_logits)
+        event = {"drafts": drafts, "target_logits": target_logits}
+        if tree is not None:  # after a taken sibling: its branch's copy with the accepted tokens revealed
+            next_logits, event = tree.after(outcome, next_logits, drafts, target_logits, mask_id)
+        return self._reveal(view, positions, num_drafts, target_positions, outcome, next_logits, event)
 
     def structured_round(self, view: View, proposal: tuple[torch.Tensor, bool]) -> tuple[torch.Tensor, dict]:
         """A left-to-right round verified by the model's one-pass ``structured_verify`` instead of copies.
@@ -144,14 +158,15 @@ class FefStepper:
         target_positions = torch.cat([positions, positions[:, :1]], dim=1)
         target_positions[rows, count] = bonus.clamp(min=0)
         # The state's logits are a valid proposal for the next round (any proposal keeps verification exact).
-        return self._reveal(view, positions, drafts, count, target_positions, outcome, state_logits, targets)
+        return self._reveal(view, positions, count, target_positions, outcome, state_logits,
+                            {"drafts": drafts, "target_logits": targets})
 
-    def _reveal(self, view: View, positions, drafts, num_drafts, target_positions, outcome, next_logits,
-                target_logits):
+    def _reveal(self, view: View, positions, num_drafts, target_positions, outcome, next_logits, event: dict):
         """Write the emitted tokens at their positions, count the round and hand ``next_logits`` [R, Ls, V]
         (the verified copy matching the new state) to the draft source -> (tokens [R, Ls], event fields);
-        ``target_logits`` [R, W + 1, V] (what draft j was tested against, then the bonus) ride on the event."""
-        self.stats.count_verification(num_drafts, outcome.num_accepted, outcome.num_emitted)
+        ``event``: the drafts and ``target_logits`` [R, W + 1, V] (what draft j was tested against, then the
+        bonus), along the path verification followed with a draft tree (``_CopyTree.after``)."""
+        self.stats.count_verification(num_drafts, outcome.num_accepted, outcome.num_emitted, outcome.branch)
         emitted_positions = torch.where(outcome.tokens >= 0, target_positions, -1)  # [R, W + 1], -1: nothing
         new_x = view.x.clone()
         hit = emitted_positions >= 0
@@ -159,9 +174,123 @@ class FefStepper:
         new_x[rows[:, None].expand_as(hit)[hit], emitted_positions[hit]] = outcome.tokens[hit]
         self.source.observe(view, next_logits)
         revealed = torch.where(emitted_positions >= 0, emitted_positions + view.offset, -1)
-        return new_x, {"sampler": "fef", "window": positions + view.offset, "drafts": drafts,
-                       "num_drafts": num_drafts, "num_accepted": outcome.num_accepted, "revealed": revealed,
-                       "target_logits": target_logits}
+        return new_x, {"sampler": "fef", "window": positions + view.offset, "num_drafts": num_drafts,
+                       "num_accepted": outcome.num_accepted, "revealed": revealed, **event}
+
+
+class _CopyTree:
+    """A round's draft tree for the copies verifier, left to right: at each depth j up to A siblings of d_j drawn
+    without replacement from the law d_j was drawn from (``more_candidates``; with ``below``, only where d_j's
+    temperature-1 probability is below it), each the root of a branch b_j (the sibling), b_{j+1} .. b_{n-1}
+    drafted after it (a head's steps along the forced path, ``HeadDrafts.redraft``; the marginal and stale
+    sources draft each position independently, so the chain's own drafts continue every branch). The branch
+    brings one copy per depth i = j + 1 .. n: the row with d_<j, b_j .. b_{i-1} revealed, whose logits at s_i
+    (at i = n: at its own pick, the bonus) are the target there. The recursive rule and then the chain rule down
+    the taken branch verify the tree (``Continuations``). Costs sum(n - j) block copies more per round."""
+
+    def __init__(self, alternatives, slot_row, slot_depth, slot_alt, path, path_logits):
+        self.alternatives = alternatives  # [R, W, A] (-1: none), as the verifier takes them
+        self.slot_row, self.slot_depth, self.slot_alt = slot_row, slot_depth, slot_alt  # [K] per sibling
+        self.path, self.path_logits = path, path_logits  # [K, W] by depth (the sibling at j), [K, W, V]
+        self.size = 0  # branch copies in the call
+        self.copy_slot = self.copy_depth = None  # [N_b] each branch copy's sibling and the depth it targets
+        self.logits = self.picks = self.targets = None  # [N_b, Ls, V], [N_b], [N_b, V] after the call
+        self.positions = self.count = None  # the window [R, W] and its valid drafts [R]
+
+    @classmethod
+    def grow(cls, source, drafts, window_logits, count, extra: int, below, temperature, generator,
+             skip_first: bool) -> _CopyTree:
+        """The siblings and their branches. ``skip_first``: the draft logits are the state call's, so draft 0
+        is tested against the law it was drawn from and always accepted; its siblings would be copies for
+        nothing."""
+        n = drafts.shape[0]
+        rows = torch.arange(n, device=drafts.device)
+        alternatives = more_candidates(Draft(drafts, window_logits, count), extra, temperature, generator, rows,
+                                       below)  # [R, W, A]
+        if skip_first:
+            alternatives[:, 0] = -1
+        slot_row, flat = (alternatives >= 0).flatten(1).nonzero(as_tuple=True)  # row-major, depth-major in a row
+        slot_depth, slot_alt = flat // extra, flat % extra
+        sibling = alternatives[slot_row, slot_depth, slot_alt]
+        redraft = getattr(source, "redraft", None)
+        if redraft is None or not slot_row.numel():  # independent drafts: the chain's fit any branch
+            path, path_logits = drafts[slot_row].clone(), window_logits[slot_row]
+        else:
+            steps = torch.arange(drafts.shape[1], device=drafts.device)
+            forced = torch.where(steps[None, :] < slot_depth[:, None], drafts[slot_row], -1)
+            forced[torch.arange(slot_row.numel(), device=drafts.device), slot_depth] = sibling
+            path, path_logits = redraft(slot_row, forced, temperature, bind_rows(generator, slot_row))
+        path[torch.arange(slot_row.numel(), device=drafts.device), slot_depth] = sibling
+        return cls(alternatives, slot_row, slot_depth, slot_alt, path, path_logits)
+
+    def add_copies(self, x, positions, count, copies, row_of):
+        """The branch copies after the chain's -> (copies, their rows)."""
+        width = positions.shape[1]
+        i = torch.arange(width + 1, device=x.device)
+        wanted = (i[None, :] > self.slot_depth[:, None]) & (i[None, :] <= count[self.slot_row][:, None])  # [K, W + 1]
+        self.copy_slot, self.copy_depth = wanted.nonzero(as_tuple=True)
+        rows = self.slot_row[self.copy_slot]
+        branch = x[rows].clone()
+        reveal = torch.arange(width, device=x.device)[None, :] < self.copy_depth[:, None]  # depths < i
+        current = branch.gather(1, positions[rows])
+        branch.scatter_(1, positions[rows], torch.where(reveal, self.path[self.copy_slot], current))
+        self.size, self.count = rows.numel(), count
+        return torch.cat([copies, branch]), torch.cat([row_of, rows])
+
+    def split(self, copy_logits, picks, positions):
+        """Keep the branch copies' logits and picks; return the chain's copy logits."""
+        self.logits, self.picks = copy_logits[copy_logits.shape[0] - self.size:], picks
+        self.positions = positions
+        return copy_logits[: copy_logits.shape[0] - self.size]
+
+    def _targets(self, mask_id):
+        """Each branch copy's target logits [N_b, V]: at s_i, or at its own pick after the row's last draft."""
+        if self.targets is None:
+            rows = self.slot_row[self.copy_slot]
+            width = self.positions.shape[1]
+            inside = self.copy_depth < self.count[rows]
+            at = torch.where(inside, self.positions[rows, self.copy_depth.clamp(max=width - 1)],
+                             self.picks.clamp(min=0))
+            self.targets = forbid_token(self.logits[torch.arange(rows.numel(), device=rows.device), at], mask_id)
+        return self.targets
+
+    def continuations(self, mask_id) -> Continuations:
+        n, width, count = self.alternatives.shape
+        vocab = self.path_logits.shape[-1]
+        device = self.path.device
+        tokens = torch.full((n, width, count, width), -1, dtype=torch.long, device=device)
+        steps = torch.arange(width, device=device)
+        tokens[self.slot_row, self.slot_depth, self.slot_alt] = torch.where(steps[None, :] > self.slot_depth[:, None],
+                                                                          self.path, -1)
+        logits = self.path_logits.new_zeros((n, width, count, width, vocab))
+        logits[self.slot_row, self.slot_depth, self.slot_alt] = self.path_logits
+        targets = self.path_logits.new_zeros((n, width, count, width + 1, vocab))
+        k = self.copy_slot
+        targets[self.slot_row[k], self.slot_depth[k], self.slot_alt[k], self.copy_depth] = self._targets(mask_id)
+        return Continuations(tokens, logits, targets)
+
+    def after(self, outcome, next_logits, drafts, target_logits, mask_id):
+        """-> (the verified copy matching the new state per row [R, Ls, V], the event's tree fields: the path's
+        drafts and targets, the taken sibling's depth and the chain draft it replaced)."""
+        drafts, target_logits, next_logits = drafts.clone(), target_logits.clone(), next_logits.clone()
+        depth = torch.full_like(outcome.branch, -1)
+        replaced = torch.full_like(outcome.branch, -1)
+        took = ((outcome.branch[self.slot_row] > 0) & (self.slot_depth == outcome.branch_depth[self.slot_row])
+                & (self.slot_alt == outcome.branch[self.slot_row] - 1))  # [K] the taken sibling's slot
+        if bool(took.any()):
+            k = took.nonzero().squeeze(-1)
+            r, j = self.slot_row[k], self.slot_depth[k]
+            depth[r], replaced[r] = j, drafts[r, j]
+            width = drafts.shape[1]
+            on = torch.arange(width, device=j.device)[None, :] >= j[:, None]
+            drafts[r] = torch.where(on, self.path[k], drafts[r])
+            mine = took[self.copy_slot]
+            c_rows = self.slot_row[self.copy_slot][mine]
+            target_logits[c_rows, self.copy_depth[mine]] = self._targets(mask_id)[mine]
+            match = mine & (self.copy_depth == outcome.num_accepted[self.slot_row[self.copy_slot]])
+            next_logits[self.slot_row[self.copy_slot][match]] = self.logits[match]
+        return next_logits, {"drafts": drafts, "target_logits": target_logits, "branch": outcome.branch,
+                             "branch_depth": depth, "replaced": replaced}
 
 
 def _build_copies(

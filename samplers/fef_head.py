@@ -23,6 +23,7 @@ class HeadDrafts(MarginalDrafts):
     def __init__(self, head: DraftHead):
         self.head = head
         self.features: torch.Tensor | None = None  # [R, Ls, D] of the last state call
+        self.inputs: tuple | None = None  # the last window's head inputs (``redraft``)
 
     def logits(self, view) -> tuple[torch.Tensor, bool]:
         logits, self.features = view.call(view.x, torch.arange(view.x.shape[0], device=view.x.device), hidden=True)
@@ -36,9 +37,17 @@ class HeadDrafts(MarginalDrafts):
         features = self.features[rows[:, None], positions]  # [R, W, D]
         base = draft_logits[rows[:, None], positions]  # [R, W, V]
         offsets = positions - torch.cat([positions[:, :1], positions[:, :-1]], dim=1)  # s_j - s_{j-1}
-        return head_drafts(self.head, features, base, torch.zeros_like(positions[:, 0]), offsets, temperature,
-                           generator,
-                           view.mask_token_id)
+        self.inputs = (features, base, torch.zeros_like(positions[:, 0]), offsets, view.mask_token_id)
+        return head_drafts(self.head, *self.inputs[:4], temperature, generator, view.mask_token_id)
+
+    @torch.no_grad()
+    def redraft(self, which: torch.Tensor, forced: torch.Tensor, temperature: float,
+                generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last window's head drafts again for rows ``which`` [K] of it, along ``forced`` [K, W] paths (-1:
+        draw; a draft tree's branches) -> (tokens [K, W], logits [K, W, V])."""
+        features, base, first, offsets, mask_id = self.inputs
+        return head_drafts(self.head, features[which], base[which], first[which], offsets[which], temperature,
+                           generator, mask_id, forced=forced)
 
 
 @torch.no_grad()

@@ -304,14 +304,15 @@ def _check_tree(values: dict[str, Any], model) -> None:
 
 
 def _check_fef_tree(values: dict[str, Any], model) -> None:
-    """fef's draft trees verify the siblings in the two-stream layout's one call, left to right (every fef
-    draft source samples from logits, so each can give siblings)."""
+    """fef's draft trees verify the siblings and their branches in the round's one call (the two-stream
+    layout's, or the copies verifier's, with one block copy per branch depth), left to right (every fef draft
+    source samples from logits, so each can give siblings)."""
     if not _is_tree(values):
         return
-    if not capabilities(model).reveal_order_cache:
-        raise ValueError(f"draft_candidates={values['draft_candidates']} verifies a draft tree in the two-stream "
-                         f"layout's one call (Capabilities.reveal_order_cache); {type(model).__name__} verifies "
-                         "with copies of the block: use draft_candidates=1")
+    if values.get("verifier") == "structured" and not capabilities(model).reveal_order_cache:
+        raise ValueError(f"draft_candidates={values['draft_candidates']} verifies a draft tree with copies of the "
+                         "block (verifier='copies') or on a two-stream model; verifier='structured' verifies a "
+                         "chain only")
     if values["order"] != "left_to_right":
         raise ValueError(f"draft_candidates={values['draft_candidates']} runs with order='left_to_right' only, "
                          f"got order={values['order']!r}")

@@ -257,7 +257,7 @@ class _Tree:
         depth[r, slot], alt[r, slot] = f // count_alt, f % count_alt
         tokens[r, slot] = alternatives.flatten(1)[r, f]
         branch_length = torch.where(tokens >= 0, count[:, None] - depth, 0)  # [R, S]
-        steps = torch.arange(window, device=device)
+        steps = torch.arange(width, device=device)  # the window's drafts (fewer than W near the answer's end)
         cols = torch.full((n, size, 2 * window), -1, dtype=torch.long, device=device)
         lead = columns[r, f // count_alt]  # [k, 2W]
         q = torch.arange(2 * window, device=device)
@@ -270,8 +270,8 @@ class _Tree:
             forced = torch.where(steps[None, :] < j, drafts[r], -1)
             forced[torch.arange(r.numel(), device=device), j[:, 0]] = tokens[r, slot]
             path, path_logits = redraft(r, forced)
-        branch = torch.full((n, size, window), -1, dtype=torch.long, device=device)
-        branch_logits = window_logits.new_zeros((n, size, window, window_logits.shape[-1]))
+        branch = torch.full((n, size, width), -1, dtype=torch.long, device=device)
+        branch_logits = window_logits.new_zeros((n, size, width, window_logits.shape[-1]))
         mine = (steps[None, :] > j) & (steps[None, :] < count[r][:, None])
         branch[r, slot] = torch.where(mine, path, -1)
         branch[r, slot, j[:, 0]] = tokens[r, slot]
@@ -285,13 +285,14 @@ class _Tree:
         at depth i at s_i's position), then, among the queries, its L + W (fewer at the canvas's end)."""
         n, width = content_ids.shape
         size, window = self.branch.shape[1:]
+        per = self.columns.shape[2]
         device = content_ids.device
         before = k_pending + self.depth  # [R, S] the chain content a branch sees: pending, d_<j
         # Where each branch token and query goes among the row's branch content / branch queries.
         c_valid, q_valid = self.branch >= 0, self.columns >= 0  # [R, S, W], [R, S, 2W]
         c_first = width + _exclusive_cumsum(self.length)  # [R, S] the branch's first content index
         c_index = c_first[:, :, None] + torch.arange(window, device=device) - self.depth[:, :, None]  # at depth i
-        q_index = _exclusive_cumsum(q_valid.sum(dim=2))[:, :, None] + torch.arange(2 * window, device=device)
+        q_index = _exclusive_cumsum(q_valid.sum(dim=2))[:, :, None] + torch.arange(per, device=device)
         c_total, q_total = int(self.length.sum(dim=1).max()), int(q_valid.sum(dim=(1, 2)).max())
         self.c_index, self.c_total, self.q_index, self.q_valid = c_index - width, c_total, q_index, q_valid
         rows_c = torch.arange(n, device=device)[:, None, None].expand_as(c_index)[c_valid]
@@ -311,7 +312,7 @@ class _Tree:
         c_range = packed(torch.stack([first, c_index], dim=-1)[c_valid], c_total, rows_c, at_c)  # depths j .. i - 1
         # Query p < L is the leaf of the branch's token at depth j + p and sees the branch through it; the
         # lookahead (p >= L) sees the whole branch.
-        p = torch.arange(2 * window, device=device)
+        p = torch.arange(per, device=device)
         stop = c_first[:, :, None] + torch.minimum(p + 1, self.length[:, :, None])  # [R, S, 2W]
         q_cols = packed(self.columns[q_valid], q_total, rows_q, at_q)
         q_sees = packed(before[:, :, None].expand_as(q_index)[q_valid], q_total, rows_q, at_q)

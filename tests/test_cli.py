@@ -77,9 +77,10 @@ def test_ar_spec_default_drafts_with_the_shipped_diffusion_model(capsys, monkeyp
 def test_bad_input_is_one_line_naming_the_parameter(capsys):
     assert _one_line_exit(["generate", "--demo", "--option", "window=0", "--max-new-tokens", "4"], capsys) == \
         "dllm generate: window must be >= 1, got 0"
-    # fef's draft trees need the two-stream layout's one-call verifier; the demo oracle verifies with copies
-    message = _one_line_exit(["generate", "--demo", "--option", "draft_candidates=2", "--max-new-tokens", "4"], capsys)
-    assert message.startswith("dllm generate: draft_candidates=2 verifies a draft tree in the two-stream")
+    # fef's draft trees run left to right
+    message = _one_line_exit(["generate", "--demo", "--option", "draft_candidates=2", "--option", "order=confidence",
+                              "--max-new-tokens", "4"], capsys)
+    assert message == "dllm generate: draft_candidates=2 runs with order='left_to_right' only, got order='confidence'"
 
 
 # ---------------------------------------------------------------- options read by what the option expects

@@ -637,20 +637,23 @@ def test_a_branch_whose_queries_see_only_its_sibling_fails(model, monkeypatch):
 
 @pytest.mark.parametrize("options", [{"draft_candidates": 2}, {"draft_candidates": 3},
                                      {"draft_candidates": 2, "candidates_below": 0.9, "draft": "head"},
-                                     {"draft_candidates": VOCAB + 3}])
+                                     {"draft_candidates": VOCAB + 3},
+                                     {"draft_candidates": 3, "draft": "head", "window": 8, "max_new_tokens": 4}])
 def test_greedy_fef_with_trees_equals_greedy_sequential(model, monkeypatch, options):
     """Token for token, with left padding and EOS stops in the batch (siblings were taken: the spy); more
-    candidates than tokens is every token."""
+    candidates than tokens is every token; a window longer than the answer."""
     taken = _branches(monkeypatch)
     prompts = [[1, 3, 0], [2, 1], [0, 1, 3, 3], [3], [2, 2, 1], [0, 3], [1, 1, 1], [3, 0]] * 2
     width = max(map(len, prompts))
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     head = {"draft_head": _random_head(model)} if options.get("draft") == "head" else {}
-    common = dict(max_new_tokens=12, temperature=0, eos_token_id=0, block_length=4, attention_mask=mask)
+    options = {"window": 3, "max_new_tokens": 12, **options}
+    common = dict(max_new_tokens=options.pop("max_new_tokens"), temperature=0, eos_token_id=0, block_length=4,
+                  attention_mask=mask)
     with torch.no_grad():
         reference = dllm.generate(model, ids, sampler="sequential", **common).sequences
-        run = dllm.generate(model, ids, sampler="fef", window=3, **options, **head, **common)
+        run = dllm.generate(model, ids, sampler="fef", **options, **head, **common)
         tree, tree_stats = run.sequences, run.stats
     assert torch.equal(reference, tree)
     assert sum(taken) >= 5 and tree_stats.siblings_taken == sum(taken)
@@ -708,8 +711,8 @@ def test_after_a_taken_sibling_the_next_window_drafts_from_queries_that_saw_it(m
 def test_tree_refusals_name_the_option(model):
     block = TransformerLM(TransformerConfig(vocab_size=VOCAB, dim=16, n_layers=1, n_heads=2, max_seq_len=64,
                                             layout="bidirectional", mask_token_id=MASK)).eval()
-    with pytest.raises(ValueError, match="draft_candidates=2 .*two-stream"):
-        _sample(block, "fef", 1, 1.0, "left_to_right", 4, draft_candidates=2)
+    with pytest.raises(ValueError, match="draft_candidates=2 .*verifier='structured' verifies a chain only"):
+        _sample(block, "fef", 1, 1.0, "left_to_right", 4, draft_candidates=2, verifier="structured")
     with pytest.raises(ValueError, match="draft_candidates=2 runs with order='left_to_right' only"):
         _sample(model, "fef", 1, 1.0, "confidence", 4, draft_candidates=2)
     with pytest.raises(ValueError, match="candidates_below .*needs draft_candidates > 1"):
