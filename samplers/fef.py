@@ -24,6 +24,8 @@ reproduces greedy ``sequential`` token for token.
   drafts are sampled from the very probabilities the test uses. One call per round.
 - ``"head"``: the state call as for marginal drafts, then a trained causal draft head drafts the window
   (draft j conditioned on drafts 0..j-1; ``samplers/fef_head.py``), no extra backbone call.
+``draft_candidates`` > 1 (left to right, copies): a draft tree, siblings of each draft with branches drafted
+after them, verified in the same call with one more copy per branch depth (``_CopyTree``).
 All are draft-source objects (``MarginalDrafts``, ``StaleDrafts`` in ``samplers/drafters.py``, ``HeadDrafts``
 in ``samplers/fef_head.py``), chosen once per call; the loop asks the source for draft logits, the round
 samples the drafts through it and tells it the verified copy afterwards.
@@ -66,7 +68,7 @@ class FefStepper:
     draft: str = "marginal"
     verifier: str = "copies"
     draft_head: object = None  # draft="head": a head folder or DraftHead (None: the shipped head)
-    # Draft trees run on two-stream models only (samplers/two_stream.py); the registry refuses them here.
+    # A draft tree (``_CopyTree``; on a two-stream model samplers/two_stream.py runs it), left to right
     draft_candidates: int = 1
     candidates_below: float | None = None
 
