@@ -87,13 +87,15 @@ class VerifyResult:
 
 @dataclass(frozen=True)
 class Continuations:
-    """Drafts after each alternative of a draft tree, indexed by absolute depth (``verify_tree_logits``).
+    """Drafts after each alternative of a draft tree (``verify_tree_logits``), one entry per alternative that has
+    one, indexed by absolute depth: ``slot`` [B, K, A] is alternative (j, a)'s entry (-1: none; its candidate
+    is then never taken), and for entry s the depths i > j hold its continuation: ``tokens`` [S, K] (-1 past the
+    row's drafts; depths i <= j are never read), ``logits`` [S, K, V] the law each was drawn from given the path
+    before it, and ``targets`` [S, K + 1, V] the target at depth i after the chain prefix d_<j, the alternative
+    and its continuation before i (i = j + 1: the leaf; row n_b: the bonus, as in ``target_logits``). Memory
+    goes with the alternatives drawn, not with B x K x A."""
 
-    For alternative (j, a) the entries at depths i > j hold its continuation: ``tokens`` [B, K, A, K] (-1 past
-    the row's drafts; entries at i <= j are never read), ``logits`` [B, K, A, K, V] the law each was drawn from
-    given the path before it, and ``targets`` [B, K, A, K + 1, V] the target at depth i after the chain prefix
-    d_<j, the alternative and its continuation before i (i = j + 1: the leaf; row K: the bonus)."""
-
+    slot: torch.Tensor
     tokens: torch.Tensor
     logits: torch.Tensor
     targets: torch.Tensor
@@ -127,16 +129,20 @@ class Noise:
             return counter_uniforms(self.seed, STREAM_ACCEPT, torch.arange(batch, device=device), width)
         return uniform(need_generator(self.generator), (batch, width), device)
 
-    def continuation(self, rows: torch.Tensor, width: int, vocab: int, device) -> Noise:
+    def continuation(self, rows: torch.Tensor, width: int, vocab: int) -> Noise:
         """The noise of a second chain verification on batch rows ``rows`` [R] of width ``width``, independent of
         this one's (a draft tree's continuation after an accepted alternative)."""
-        if self.uniforms is not None or self.gumbels is not None:
-            raise ValueError("Noise: explicit uniforms/gumbels cover the chain and its alternatives only; verify "
-                             "a draft tree with continuations with seed or generator noise")
+        self.check_continuable()
         if self.seed is not None:
             return Noise(uniforms=counter_uniforms(self.seed, STREAM_BRANCH_ACCEPT, rows, width),
                          gumbels=counter_gumbels(self.seed, STREAM_BRANCH_RESIDUAL, rows, vocab))
         return Noise(generator=bind_rows(need_generator(self.generator), rows))
+
+    def check_continuable(self) -> None:
+        """Explicit noise tensors cover one verification; a tree with continuations needs a second one."""
+        if self.uniforms is not None or self.gumbels is not None:
+            raise ValueError("Noise: explicit uniforms/gumbels cover the chain and its alternatives only; verify "
+                             "a draft tree with continuations with seed or generator noise")
 
     def residual(self, rows: torch.Tensor, vocab: int, device) -> torch.Tensor:
         """Gumbel noise for the correction/bonus draw of batch rows ``rows`` [R] -> [R, V] float64."""
@@ -312,6 +318,17 @@ def verify_tree_logits(
     if continuations is not None:
         return _verify_branches(draft_tokens, alternatives, draft_logits, target_logits, continuations, num_drafts,
                                 temperature=temperature, has_bonus=has_bonus, noise=noise)
+    if leaf_logits is None:
+        raise ValueError("verify_tree_logits: a tree with alternatives needs leaf_logits (the target after each) or "
+                         "continuations")
+    return _verify_tree(draft_tokens, alternatives, draft_logits, target_logits, leaf_logits, num_drafts,
+                        temperature=temperature, has_bonus=has_bonus, noise=noise)
+
+
+def _verify_tree(draft_tokens, alternatives, draft_logits, target_logits, leaf_logits, num_drafts, *, temperature,
+                 has_bonus, noise) -> VerifyResult:
+    """The recursive rule (``verify_tree_logits``); ``leaf_logits`` None: nothing is drawn after an accepted
+    alternative (its continuation follows, ``_verify_branches``)."""
     batch, width = draft_tokens.shape
     device = draft_tokens.device
     num_drafts, has_bonus = normalise_counts(draft_tokens, target_logits, num_drafts, has_bonus)
@@ -371,23 +388,25 @@ def _verify_branches(draft_tokens, alternatives, draft_logits, target_logits, co
     rule over its continuation at depths j + 1 .. n_b - 1 against its own targets (then a correction, or the
     bonus where the row has one), with noise independent of the first stage's (``Noise.continuation``)."""
     batch, width = draft_tokens.shape
+    noise.check_continuable()  # whether or not this round takes an alternative
     num_drafts, has_bonus = normalise_counts(draft_tokens, target_logits, num_drafts, has_bonus)
-    first = verify_tree_logits(draft_tokens, alternatives, draft_logits, target_logits, None, num_drafts,
-                               temperature=temperature, has_bonus=has_bonus, noise=noise)
+    alternatives = torch.where(continuations.slot >= 0, alternatives, -1)
+    first = _verify_tree(draft_tokens, alternatives, draft_logits, target_logits, None, num_drafts,
+                         temperature=temperature, has_bonus=has_bonus, noise=noise)
     took = (first.branch > 0).nonzero().squeeze(-1)
     if not took.numel():
         return first
-    depth, alt = first.branch_depth[took], first.branch[took] - 1
+    depth = first.branch_depth[took]
+    slot = continuations.slot[took, depth, first.branch[took] - 1]
     # Row t's continuation, shifted so that its depth j + 1 is column 0 (columns past K - 1 are never read).
     shift = (depth[:, None] + 1 + torch.arange(width + 1, device=draft_tokens.device)).clamp(max=width)
-    index = torch.arange(took.numel(), device=draft_tokens.device)[:, None]
-    sub_tokens = continuations.tokens[took, depth, alt].gather(1, shift[:, :width].clamp(max=width - 1)).clamp(min=0)
-    sub_logits = continuations.logits[took, depth, alt][index, shift[:, :width].clamp(max=width - 1)]
-    sub_targets = continuations.targets[took, depth, alt][index, shift]
+    index = slot[:, None]
+    sub_tokens = continuations.tokens[index, shift[:, :width].clamp(max=width - 1)].clamp(min=0)
+    sub_logits = continuations.logits[index, shift[:, :width].clamp(max=width - 1)]
+    sub_targets = continuations.targets[index, shift]
     sub_count = num_drafts[took] - depth - 1
     second = verify_logits(sub_tokens, sub_logits, sub_targets, sub_count, temperature=temperature,
-                           has_bonus=has_bonus[took], noise=noise.continuation(took, width, target_logits.shape[-1],
-                                                                               draft_tokens.device))
+                           has_bonus=has_bonus[took], noise=noise.continuation(took, width, target_logits.shape[-1]))
     tokens, num_accepted, num_emitted = first.tokens.clone(), first.num_accepted.clone(), first.num_emitted.clone()
     columns = depth[:, None] + 1 + torch.arange(width, device=draft_tokens.device)  # [T, K] absolute depths
     inside = columns <= width

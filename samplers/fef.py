@@ -257,19 +257,16 @@ class _CopyTree:
         return self.targets
 
     def continuations(self, mask_id) -> Continuations:
+        """Each sibling's branch for the verifier, by absolute depth, one entry per sibling."""
         n, width, count = self.alternatives.shape
-        vocab = self.path_logits.shape[-1]
-        device = self.path.device
-        tokens = torch.full((n, width, count, width), -1, dtype=torch.long, device=device)
-        steps = torch.arange(width, device=device)
-        tokens[self.slot_row, self.slot_depth, self.slot_alt] = torch.where(steps[None, :] > self.slot_depth[:, None],
-                                                                          self.path, -1)
-        logits = self.path_logits.new_zeros((n, width, count, width, vocab))
-        logits[self.slot_row, self.slot_depth, self.slot_alt] = self.path_logits
-        targets = self.path_logits.new_zeros((n, width, count, width + 1, vocab))
-        k = self.copy_slot
-        targets[self.slot_row[k], self.slot_depth[k], self.slot_alt[k], self.copy_depth] = self._targets(mask_id)
-        return Continuations(tokens, logits, targets)
+        k = self.slot_row.numel()
+        slot = torch.full((n, width, count), -1, dtype=torch.long, device=self.path.device)
+        slot[self.slot_row, self.slot_depth, self.slot_alt] = torch.arange(k, device=self.path.device)
+        steps = torch.arange(width, device=self.path.device)
+        tokens = torch.where(steps[None, :] > self.slot_depth[:, None], self.path, -1)
+        targets = self.path_logits.new_zeros((k, width + 1, self.path_logits.shape[-1]))
+        targets[self.copy_slot, self.copy_depth] = self._targets(mask_id)
+        return Continuations(slot, tokens, self.path_logits, targets)
 
     def after(self, outcome, next_logits, drafts, target_logits, mask_id):
         """-> (the verified copy matching the new state per row [R, Ls, V], the event's tree fields: the path's

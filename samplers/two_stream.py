@@ -211,8 +211,8 @@ class _Tree:
     b_m, and W lookahead queries after the branch see the whole branch. The recursive rule accepts at most
     one sibling, then the chain rule runs down its branch (``Continuations`` in ``dllm.kernels.verify``).
     When a sibling is taken, its branch's queries are the next round's draft logits (and features), as the
-    chain's are after a chain round. Siblings are packed per row (S = the most any row has), each with W
-    content slots and 2W query slots: the call feeds up to S * 3W more tokens."""
+    chain's are after a chain round. Siblings are listed per row (S = the most any row has); in the call each
+    branch is packed tightly (``inputs``): its L tokens and L + W queries."""
 
     def __init__(self, alternatives, depth, alt, tokens, columns, length, branch, branch_logits):
         self.alternatives = alternatives  # [R, W, A] (-1: none), as the verifier takes them
@@ -343,22 +343,17 @@ class _Tree:
 
     def continuations(self) -> Continuations:
         """Each sibling's branch for the verifier, by absolute depth: drafts, their laws and targets (leaf query
-        p is the target at depth j + 1 + p)."""
+        p is the target at depth j + 1 + p), one entry per sibling."""
         n, width, count = self.alternatives.shape
-        vocab = self.logits.shape[-1]
-        tokens = torch.full((n, width, count, width), -1, dtype=torch.long, device=self.tokens.device)
-        logits = self.branch_logits.new_zeros((n, width, count, width, vocab))
-        targets = self.logits.new_zeros((n, width, count, width + 1, vocab))
         r, s = (self.tokens >= 0).nonzero(as_tuple=True)
-        j, a = self.depth[r, s], self.alt[r, s]
-        tokens[r, j, a] = torch.where(torch.arange(width, device=j.device)[None, :] > j[:, None], self.branch[r, s], -1)
-        logits[r, j, a] = self.branch_logits[r, s]
-        i = torch.arange(width + 1, device=j.device)[None, :]
-        leaf = i - j[:, None] - 1  # [k, W + 1] the leaf query giving depth i
+        j = self.depth[r, s]
+        slot = torch.full((n, width, count), -1, dtype=torch.long, device=j.device)
+        slot[r, j, self.alt[r, s]] = torch.arange(r.numel(), device=j.device)
+        tokens = torch.where(torch.arange(width, device=j.device)[None, :] > j[:, None], self.branch[r, s], -1)
+        leaf = torch.arange(width + 1, device=j.device)[None, :] - j[:, None] - 1  # [k, W + 1]: query for depth i
         ok = (leaf >= 0) & (leaf < self.length[r, s][:, None])
         picked = self.logits[r, s][torch.arange(r.numel(), device=j.device)[:, None], leaf.clamp(min=0)]
-        targets[r, j, a] = torch.where(ok[..., None], picked, 0.0)
-        return Continuations(tokens, logits, targets)
+        return Continuations(slot, tokens, self.branch_logits[r, s], torch.where(ok[..., None], picked, 0.0))
 
     def _taken(self, outcome) -> torch.Tensor:
         """The accepted sibling's slot -> [R, S] bool."""

@@ -154,9 +154,11 @@ def _branch_round(temperature: float, blind: bool = False, n: int = 120_000, see
                     token, logits = draft(i, path[-1])
                     cont_tokens[:, j, a, i], cont_logits[:, j, a, i] = token, logits
                     path = path + [token]
+    slot = torch.arange(n * width * count).view(n, width, count)  # every alternative has its entry
+    packed = Continuations(slot, cont_tokens.flatten(0, 2), cont_logits.flatten(0, 2), cont_targets.flatten(0, 2))
     result = verify_tree_logits(torch.stack(chain, 1), torch.stack(alternatives, 1), torch.stack(chain_logits, 1),
                                 targets, None, temperature=temperature, noise=Noise(generator=generator),
-                                continuations=Continuations(cont_tokens, cont_logits, cont_targets))
+                                continuations=packed)
     return result, laws
 
 
@@ -187,6 +189,24 @@ def test_tree_rule_with_continuations_exact(temperature):
     took = result.branch > 0
     assert bool((result.num_accepted[took] > result.branch_depth[took] + 1).any())  # continuation drafts accepted
     assert bool((result.num_emitted == 4).any())
+
+
+def test_tree_rule_refuses_what_it_cannot_verify():
+    """Alternatives without leaves or continuations, and explicit noise tensors for a tree with continuations
+    (they cover one verification; a branch needs a second), are refused whatever the draws."""
+    drafts, draft_logits = torch.zeros(2, 2, dtype=torch.long), torch.zeros(2, 2, VOCAB)
+    target = torch.zeros(2, 3, VOCAB)
+    alternatives = torch.ones(2, 2, 1, dtype=torch.long)
+    with pytest.raises(ValueError, match="leaf_logits .* or continuations"):
+        verify_tree_logits(drafts, alternatives, draft_logits, target, None, temperature=1.0,
+                           noise=Noise(generator=torch.Generator()))
+    branches = Continuations(torch.full((2, 2, 1), -1), torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2, VOCAB),
+                             torch.zeros(0, 3, VOCAB))
+    explicit = Noise(uniforms=torch.zeros(2, 4, dtype=torch.float64),
+                     gumbels=torch.zeros(2, VOCAB, dtype=torch.float64))
+    with pytest.raises(ValueError, match="explicit uniforms/gumbels"):
+        verify_tree_logits(drafts, alternatives, draft_logits, target, None, temperature=1.0, noise=explicit,
+                           continuations=branches)
 
 
 def test_power_tree_rule_with_continuations_on_the_chain_targets_fails():
