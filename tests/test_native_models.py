@@ -192,8 +192,9 @@ def test_unknown_hub_tensor_is_refused(tmp_path):
 
 # ------------------------------------------------------------------ samplers on the native models
 
-RUNS = [("sequential", {}), ("fef", {"window": 3}), ("fef", {"window": 4, "draft": "stale"}), ("llada", {"steps": 4}),
-        ("dream", {"steps": 4}), ("fast_dllm", {"threshold": 0.5}), ("eb", {})]
+RUNS = [("sequential", {}), ("fef", {"window": 3}), ("fef", {"window": 4, "draft": "stale"}),
+        ("fef", {"window": 4, "draft_candidates": 3}), ("llada", {"steps": 4}), ("dream", {"steps": 4}),
+        ("fast_dllm", {"threshold": 0.5}), ("eb", {})]
 
 
 @pytest.mark.parametrize("family", ["llada", "dream"])
@@ -212,9 +213,11 @@ def test_fef_at_temperature_zero_is_sequential(folders, family):
     model = dllm.load(folders(family))
     common = dict(max_new_tokens=12, temperature=0.0, block_length=4, attention_mask=MASK, eos_token_id=None)
     sequential = dllm.generate(model, PROMPTS, sampler="sequential", **common)
-    for window in (2, 4):
-        fef = dllm.generate(model, PROMPTS, sampler="fef", window=window, **common)
-        assert torch.equal(fef.sequences, sequential.sequences) and fef.exact
+    for options in ({"window": 2}, {"window": 4}, {"window": 4, "draft_candidates": 3},
+                    {"window": 4, "draft": "stale", "draft_candidates": 2}):  # with draft trees (the copies')
+        fef = dllm.generate(model, PROMPTS, sampler="fef", **options, **common)
+        assert torch.equal(fef.sequences, sequential.sequences) and fef.exact, options
+        assert fef.stats.siblings_taken > 0 or "draft_candidates" not in options  # the trees took siblings
 
 
 @pytest.mark.parametrize("family", ["llada", "dream"])
