@@ -53,6 +53,7 @@ from .canvas import Caller, check_logits
 from .drafters import (
     CausalDrafter,
     DiffusionDrafter,
+    Draft,
     DraftContext,
     Drafter,
     NgramDrafter,
@@ -60,7 +61,7 @@ from .drafters import (
     more_candidates,
 )
 from .head_drafters import head_drafter
-from .verify import Noise, rejection_sample
+from .verify import Continuations, Noise, rejection_sample
 
 
 def ar(
@@ -128,9 +129,11 @@ def ar_spec(
         tree = {}
         if draft_candidates > 1:  # the tree's other candidates, and the target after each of them
             alternatives = more_candidates(draft, draft_candidates - 1, temperature, generator, rows, candidates_below)
-            target, leaves, fed = _tree_rows(caller, kv, seq[rows], rows, length, drafts, alternatives,
-                                             proposer.wants_features)
-            tree = {"alternatives": alternatives, "leaf_logits": leaves}
+            # Independent drafts continue every sibling's branch; otherwise siblings are leaves.
+            branches = draft.independent and not proposer.wants_features
+            target, after, fed = _tree_rows(caller, kv, seq[rows], rows, length, drafts, alternatives,
+                                            proposer.wants_features, draft if branches else None)
+            tree = {"alternatives": alternatives, ("continuations" if branches else "leaf_logits"): after}
         else:
             target, fed = _target_rows(caller, kv, seq[rows], rows, length, drafts, proposer.wants_features)
         outcome = rejection_sample(drafts, draft.logits, target, num_drafts, temperature=temperature,
@@ -145,10 +148,12 @@ def ar_spec(
         lengths[rows] += emitted
         if callback is not None:
             callback(StepEvent("ar_spec", rows, seq[rows], num_drafts=num_drafts, num_accepted=outcome.num_accepted,
-                               target_logits=target, **_tree_path(drafts, outcome)))
+                               **_tree_path(drafts, target, outcome, tree.get("continuations"))))
         # Tokens every row holds for sure and the caches may keep: those before the last emitted one; after an
         # accepted alternative, before it (the caches hold the chain's draft at its position).
-        held = lengths[rows] - 1 - (outcome.branch > 0).long() if outcome.branch is not None else lengths[rows] - 1
+        held = lengths[rows] - 1
+        if outcome.branch is not None:
+            held = torch.where(outcome.branch > 0, length + outcome.branch_depth, held)
         keep = (lengths[rows] < total) & ~stopped
         rows = rows[keep]
         if rows.numel():
@@ -245,22 +250,30 @@ def _target_rows(caller: Caller, kv, seq, rows, length, drafts, hidden=False):
     return (out[0][index], (out[1], start, None)) if hidden else (out[index], None)
 
 
-def _tree_rows(caller: Caller, kv, seq, rows, length, drafts, alternatives, hidden=False):
+def _tree_rows(caller: Caller, kv, seq, rows, length, drafts, alternatives, hidden=False,
+               branches: Draft | None = None):
     """A draft tree's target logits in one call -> ([R, K + 1, V] after each chain prefix, as ``_target_rows``;
-    [R, K, A, V] after each alternative; ``hidden``: (chain features, their first position, the alternatives'
-    features [R, K, A, D]), else None).
+    the targets after the alternatives: [R, K, A, V] after each (leaves), or with ``branches`` (the round's
+    independent ``Draft``) the ``Continuations`` of each alternative's branch; ``hidden`` (leaves only): (chain
+    features, their first position, the alternatives' features [R, K, A, D]), else None).
 
-    The inputs are the chain's (as ``_target_rows``), then the alternatives (the K x A columns in which some
-    row has one): alternative (j, a) sits at d_j's position and sees the prefix and d_<j only (``tree_mask``),
-    so its logits are the target after it. Without a cache the call fills a fresh one (the same logits),
-    since the tree's mask is a cached call's. The alternatives' cache entries lie past the chain's, where
-    the round's crop drops them.
+    The inputs are the chain's (as ``_target_rows``), then, for each of the K x A columns in which some row has
+    an alternative, the alternative at d_j's position, and with ``branches`` the chain's own drafts d_{j+1} ..
+    d_{K-1} after it at their positions: the alternative's branch (``tree_mask``: it sees the prefix, d_<j and
+    the branch before it), so each of its logits is the target after its prefix. Without a cache the call fills
+    a fresh one (the same logits), since the tree's mask is a cached call's. The extra cache entries lie past
+    the chain's, where the round's crop drops them.
     """
     n_rows, width = drafts.shape
     device = seq.device
     siblings = alternatives.flatten(1)  # [R, K A], depth-major
     used = (siblings >= 0).any(dim=0).nonzero().squeeze(-1)  # only the columns some row has a sibling in
-    count = used.numel()
+    root = used // alternatives.shape[2]  # [U] each used column's depth
+    span = width - root if branches is not None else torch.ones_like(root)  # tokens per used column
+    owner = torch.repeat_interleave(torch.arange(used.numel(), device=device), span)  # [E] its used column
+    depth = root[owner] + torch.arange(owner.numel(), device=device) - (span.cumsum(0) - span)[owner]  # [E]
+    count = owner.numel()
+    extra_tokens = torch.where(depth == root[owner], siblings[:, used[owner]], drafts[:, depth])  # [R, E]
     extended = append_at_lengths(seq, length, drafts)[:, : min(int(length.max()) + width, seq.shape[1] - 1)]
     cache = kv if kv is not None else caller.model.new_cache()
     start, columns = cache.length, extended.shape[1]
@@ -269,25 +282,27 @@ def _tree_rows(caller: Caller, kv, seq, rows, length, drafts, alternatives, hidd
         real = caller.attention_mask[rows, :columns].bool()
     positions = positions_from_mask(real)  # [R, columns], the model's own position ids
     depth_at = (length[:, None] + torch.arange(width, device=device)).clamp(max=columns - 1)  # d_j's column
-    leaf_at = depth_at.repeat_interleave(alternatives.shape[2], dim=1)[:, used]  # [R, count]
+    extra_at = depth_at[:, depth]  # [R, E] each extra token's column
     chain_cols = torch.arange(start, columns, device=device)
     sees_chain = torch.cat([
         (chain_cols[:, None] >= chain_cols[None, :]).expand(n_rows, -1, -1),  # the chain: causal
-        chain_cols[None, None, :] < leaf_at[:, :, None],  # an alternative: the chain before its position
-    ], dim=1) & real[:, None, start:]  # [R, n + K A, n]
-    sees_leaf = torch.cat([torch.zeros((columns - start, count), dtype=torch.bool, device=device),
-                           torch.eye(count, dtype=torch.bool, device=device)])  # alternatives see themselves
-    tree = torch.cat([sees_chain, sees_leaf.expand(n_rows, -1, -1)], dim=2)
-    inputs = torch.cat([extended[:, start:], siblings[:, used].clamp(min=0)], dim=1)
+        chain_cols[None, None, :] < depth_at[:, root[owner], None],  # a branch: the chain before its root
+    ], dim=1) & real[:, None, start:]  # [R, n + E, n]
+    sees_extra = torch.cat([torch.zeros((columns - start, count), dtype=torch.bool, device=device),
+                            _branch_mask(owner, depth)])
+    tree = torch.cat([sees_chain, sees_extra.expand(n_rows, -1, -1)], dim=2)
+    inputs = torch.cat([extended[:, start:], extra_tokens.clamp(min=0)], dim=1)
     caller.count(inputs, served=len(rows), cache=cache)
     keys = torch.cat([real, real.new_ones((n_rows, count))], 1)  # padding over cached + new keys
     out = caller.model.forward_cached(inputs, cache, attention_mask=keys, tree_mask=tree, append=True,
-                                      position_ids=torch.cat([positions[:, start:], positions.gather(1, leaf_at)], 1),
+                                      position_ids=torch.cat([positions[:, start:], positions.gather(1, extra_at)], 1),
                                       **({"return_hidden": True} if hidden else {}))
     logits, features = check_logits(out, inputs) if hidden else (check_logits(out, inputs), None)
     n = columns - start
     at = length[:, None] - 1 - start + torch.arange(width + 1, device=device)  # position t predicts t + 1
     target = logits[torch.arange(n_rows, device=device)[:, None], at.clamp(max=n - 1)]
+    if branches is not None:
+        return target, _branch_continuations(logits[:, n:], alternatives, used, owner, depth, branches), None
     leaves = logits.new_zeros((n_rows, siblings.shape[1], logits.shape[-1]))  # never read where no sibling
     leaves[:, used] = logits[:, n:]
     fed = None
@@ -296,6 +311,29 @@ def _tree_rows(caller: Caller, kv, seq, rows, length, drafts, alternatives, hidd
         leaf_features[:, used] = features[:, n:]
         fed = (features[:, :n], start, leaf_features.unflatten(1, alternatives.shape[1:]))
     return target, leaves.unflatten(1, alternatives.shape[1:]), fed
+
+
+def _branch_mask(owner: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
+    """Which extra tokens of a tree call each one sees [E, E]: its own branch (``owner``), up to itself."""
+    return (owner[:, None] == owner[None, :]) & (depth[None, :] <= depth[:, None])
+
+
+def _branch_continuations(extra_logits, alternatives, used, owner, depth, draft: Draft) -> Continuations:
+    """The ``Continuations`` of a tree call's branches: extra token e (at ``depth[e]`` of used column
+    ``owner[e]``) gives the target at depth[e] + 1; the continuation's drafts are the chain's own."""
+    n_rows, width, count = alternatives.shape
+    device = extra_logits.device
+    r, column = (alternatives.flatten(1)[:, used] >= 0).nonzero(as_tuple=True)  # one entry per alternative
+    slot = torch.full((n_rows, width * count), -1, dtype=torch.long, device=device)
+    slot[r, used[column]] = torch.arange(r.numel(), device=device)
+    root = used[column] // count
+    steps = torch.arange(width, device=device)
+    tokens = torch.where(steps[None, :] > root[:, None], draft.tokens[r], -1)
+    targets = extra_logits.new_zeros((r.numel(), width + 1, extra_logits.shape[-1]))
+    mine = owner[None, :] == column[:, None]  # [S, E] the extra tokens of each entry's branch
+    s, e = mine.nonzero(as_tuple=True)
+    targets[s, depth[e] + 1] = extra_logits[r[s], e]
+    return Continuations(slot.view(n_rows, width, count), tokens, draft.logits[r], targets)
 
 
 def _keep_features(features, fed, rows, length, shape: tuple[int, int], outcome) -> torch.Tensor:
@@ -320,11 +358,11 @@ def _block_size(model) -> int | None:
     return capabilities(model).block_size
 
 
-def _tree_path(drafts, outcome) -> dict:
-    """``StepEvent``'s drafts along the verified path (a taken sibling in place of the chain's draft), with
-    ``branch``, ``branch_depth`` and ``replaced`` for a draft tree."""
+def _tree_path(drafts, target, outcome, continuations=None) -> dict:
+    """``StepEvent``'s drafts and target logits along the verified path (a taken sibling in place of the chain's
+    draft; after it its branch's targets), with ``branch``, ``branch_depth`` and ``replaced`` for a draft tree."""
     if outcome.branch is None:
-        return {"drafts": drafts}
+        return {"drafts": drafts, "target_logits": target}
     took = outcome.branch > 0
     depth = torch.where(took, outcome.branch_depth, -1)
     rows = took.nonzero().squeeze(-1)
@@ -332,4 +370,10 @@ def _tree_path(drafts, outcome) -> dict:
     path[rows, depth[rows]] = outcome.tokens[rows, depth[rows]]
     replaced = torch.full_like(depth, -1)
     replaced[rows] = drafts[rows, depth[rows]]
-    return {"drafts": path, "branch": outcome.branch, "branch_depth": depth, "replaced": replaced}
+    if continuations is not None and rows.numel():
+        target = target.clone()
+        slot = continuations.slot[rows, depth[rows], outcome.branch[rows] - 1]
+        after = torch.arange(target.shape[1], device=target.device)[None, :] > depth[rows][:, None]
+        target[rows] = torch.where(after[..., None], continuations.targets[slot], target[rows])
+    return {"drafts": path, "target_logits": target, "branch": outcome.branch, "branch_depth": depth,
+            "replaced": replaced}

@@ -42,6 +42,9 @@ class Draft:
     tokens: torch.Tensor  # [R, K] drafted tokens (placeholders past ``count``)
     logits: torch.Tensor | None  # [R, K, V] the logits they were sampled from; None: point masses
     count: torch.Tensor  # [R] valid drafts per row
+    # Each draft's law does not depend on the drafts before it (a diffusion drafter's marginals): the chain's
+    # own drafts then continue any draft tree branch (ar_spec's trees give siblings branches)
+    independent: bool = False
 
 
 @dataclass(frozen=True)
@@ -138,7 +141,7 @@ class DiffusionDrafter(Drafter):
         flat = logits.reshape(-1, logits.shape[-1])
         flat_rows = ctx.rows.repeat_interleave(logits.shape[1])
         tokens = sample_from_logits(flat, ctx.temperature, bind_rows(ctx.generator, flat_rows))
-        return Draft(tokens.reshape(logits.shape[:2]), logits, ctx.num_drafts)
+        return Draft(tokens.reshape(logits.shape[:2]), logits, ctx.num_drafts, independent=True)
 
     def rollback(self, kept, accepted) -> None:
         if self.kv is not None and kept is not None:

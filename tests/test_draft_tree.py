@@ -23,6 +23,7 @@ from dllm.samplers import sequential_distribution
 from dllm.stats import DecodeStats
 from samplers.ar import _target_rows, _tree_rows
 from samplers.canvas import Caller
+from samplers.drafters import Draft
 from samplers.verify import rejection_sample
 
 from stat_tools import ALPHA, chi_square_pvalue, sharp
@@ -225,10 +226,16 @@ def _sample(model, temperature, candidates, **options):
                                                    ("diffusion", 3, None), ("causal", 3, 0.8)])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_ar_spec_tree_exact(target, drafters, kind, candidates, below, temperature):
-    """The law is ar's; ``candidates_below`` gives siblings only to unsure drafts (a choice of the proposal's own)."""
-    answers, stats = _sample(target, temperature, candidates, candidates_below=below, **drafters[kind])
+    """The law is ar's; ``candidates_below`` gives siblings only to unsure drafts (a choice of the proposal's own).
+    The diffusion drafter's drafts are independent, so its siblings carry branches (the chain's drafts after
+    them), and drafts after a taken sibling were accepted; the other drafters' siblings are leaves."""
+    events = []
+    answers, stats = _sample(target, temperature, candidates, candidates_below=below, callback=events.append,
+                             **drafters[kind])
     assert chi_square_pvalue(answers, sequential_distribution(target, PROMPT, GEN, temperature=temperature)) > ALPHA
     assert 0 < stats.accepted < stats.drafted and stats.siblings_taken > 0  # the siblings took part
+    continued = sum(int(((e.branch > 0) & (e.num_accepted > e.branch_depth + 1)).sum()) for e in events)
+    assert continued > 100 if kind == "diffusion" else continued == 0
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.3])
@@ -301,6 +308,52 @@ def test_tree_call_equals_plain_calls(target, cached):
                     ids = torch.cat([seq[r, first : length[r]], drafts[r, :j], alternatives[r, j, a : a + 1]])
                     plain = target(ids[None])[0, -1]
                     torch.testing.assert_close(leaves[r, j, a], plain, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("cached", [False, True])
+@pytest.mark.parametrize("blind", [False, True])
+def test_tree_branch_targets_equal_plain_calls(target, cached, blind, monkeypatch):
+    """With independent drafts (branches), the target at depth i after alternative (j, a) equals the target's
+    next-token logits after the prefix, d_<j, the alternative and d_{j+1} .. d_{i-1}, from a plain call (left
+    padding in row 1); rows and depths past a row's drafts are never compared. ``blind``: branch tokens that see
+    only themselves (the power case) do not."""
+    if blind:  # in the module _tree_rows was imported from
+        monkeypatch.setitem(_tree_rows.__globals__, "_branch_mask",
+                            lambda owner, depth: torch.eye(owner.numel(), dtype=torch.bool))
+    seq = torch.tensor([[0, 2, 1, 3, 0, 0, 0, 0, 0, 0, 0, 0], [1, 1, 3, 2, 2, 0, 0, 0, 0, 0, 0, 0]])
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :1] = 0
+    length, rows = torch.tensor([4, 5]), torch.tensor([0, 1])
+    drafts = torch.tensor([[1, 2, 3], [0, 3, 1]])
+    alternatives = torch.tensor([[[0, 3], [1, -1], [2, 0]], [[2, -1], [0, 1], [-1, -1]]])
+    draft = Draft(drafts, torch.randn(2, 3, VOCAB), torch.tensor([3, 2]), independent=True)
+    caller = Caller(target, DecodeStats(), attention_mask=mask)
+    kv = None
+    if cached:
+        kv = target.new_cache()
+        target.forward_cached(seq[:, :3], kv, attention_mask=mask[:, :3])
+    with torch.no_grad():
+        chain, _ = _target_rows(caller, None, seq, rows, length, drafts)
+        tree, branches, _ = _tree_rows(caller, kv, seq, rows, length, drafts, alternatives, branches=draft)
+        torch.testing.assert_close(tree, chain, rtol=1e-4, atol=1e-4)
+        differ = 0
+        for r in range(2):
+            first = int((mask[r] == 0).sum())
+            for j in range(3):
+                for a in range(2):
+                    slot = int(branches.slot[r, j, a])
+                    assert (slot >= 0) == bool(alternatives[r, j, a] >= 0)
+                    if slot < 0:
+                        continue
+                    assert torch.equal(branches.tokens[slot, j + 1:], drafts[r, j + 1:])
+                    for i in range(j + 1, int(draft.count[r]) + 1):  # up to the bonus after the row's drafts
+                        ids = torch.cat([seq[r, first : length[r]], drafts[r, :j], alternatives[r, j, a : a + 1],
+                                         drafts[r, j + 1 : i]])
+                        plain = target(ids[None])[0, -1]
+                        same = torch.allclose(branches.targets[slot, i], plain, rtol=1e-4, atol=1e-4)
+                        differ += not same
+                        assert same or blind
+    assert (differ > 0) == blind
 
 
 def test_tree_refusals_name_the_option(target, drafters):
