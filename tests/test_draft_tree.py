@@ -384,8 +384,8 @@ def hf_pair(request, tmp_path_factory):
 
 
 def test_hf_target_tree_call_and_greedy(hf_pair):
-    """A transformers causal LM verifies a tree through a custom 4-D mask: leaf logits equal plain calls, and
-    greedy ar_spec with trees equals ar token for token (left padding, with and without cache)."""
+    """A transformers causal LM verifies a tree through a custom 4-D mask: leaf logits and branch targets equal
+    plain calls, and greedy ar_spec with trees equals ar token for token (left padding, with and without cache)."""
     target, drafter = hf_pair
     assert target.capabilities.tree_attention
     seq = torch.randint(3, 40, (2, 14), generator=torch.Generator().manual_seed(0))
@@ -403,6 +403,21 @@ def test_hf_target_tree_call_and_greedy(hf_pair):
         for j in range(3):
             ids = torch.cat([seq[r, first : length[r]], drafts[r, :j], alternatives[r, j, 1:]])
             torch.testing.assert_close(leaves[r, j, 1], target(ids[None])[0, -1], rtol=1e-4, atol=1e-4)
+    # Branches (independent drafts): the target at depth i after alternative (j, a) and d_{j+1} .. d_{i-1}.
+    kv = target.new_cache()
+    target.forward_cached(seq[:, :4], kv, attention_mask=mask[:, :4])
+    draft = Draft(drafts, torch.zeros(2, 3, target.vocab_size), torch.tensor([3, 3]), independent=True)
+    _, branches, _ = _tree_rows(Caller(target, DecodeStats(), attention_mask=mask), kv, seq, rows, length, drafts,
+                                alternatives, branches=draft)
+    for r in range(2):
+        first = int((mask[r] == 0).sum())
+        for j in range(3):
+            slot = int(branches.slot[r, j, 1])
+            for i in range(j + 1, 4):
+                ids = torch.cat([seq[r, first : length[r]], drafts[r, :j], alternatives[r, j, 1:],
+                                 drafts[r, j + 1 : i]])
+                torch.testing.assert_close(branches.targets[slot, i], target(ids[None])[0, -1], rtol=1e-4,
+                                           atol=1e-4)
     prompts, pmask = seq[:, :6], mask[:, :6]
     common = dict(max_new_tokens=10, temperature=0.0, attention_mask=pmask)
     plain = dllm.generate(target, prompts, sampler="ar", **common).sequences
