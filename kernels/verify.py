@@ -87,9 +87,9 @@ class VerifyResult:
 
 @dataclass(frozen=True)
 class Continuations:
-    """Drafts after each alternative of a draft tree (``verify_tree_logits``), one entry per alternative that has
-    one, indexed by absolute depth: ``slot`` [B, K, A] is alternative (j, a)'s entry (-1: none; its candidate
-    is then never taken), and for entry s the depths i > j hold its continuation: ``tokens`` [S, K] (-1 past the
+    """Drafts after each alternative of a draft tree (``verify_tree_logits``), one entry per alternative,
+    indexed by absolute depth: ``slot`` [B, K, A] is alternative (j, a)'s entry (-1 only where there is no
+    alternative), and for entry s the depths i > j hold its continuation: ``tokens`` [S, K] (-1 past the
     row's drafts; depths i <= j are never read), ``logits`` [S, K, V] the law each was drawn from given the path
     before it, and ``targets`` [S, K + 1, V] the target at depth i after the chain prefix d_<j, the alternative
     and its continuation before i (i = j + 1: the leaf; row n_b: the bonus, as in ``target_logits``). Memory
@@ -390,7 +390,9 @@ def _verify_branches(draft_tokens, alternatives, draft_logits, target_logits, co
     batch, width = draft_tokens.shape
     noise.check_continuable()  # whether or not this round takes an alternative
     num_drafts, has_bonus = normalise_counts(draft_tokens, target_logits, num_drafts, has_bonus)
-    alternatives = torch.where(continuations.slot >= 0, alternatives, -1)
+    if bool(((alternatives >= 0) & (continuations.slot < 0)).any()):
+        # Dropping one would leave its token in the later candidates' proposal: give every alternative its entry.
+        raise ValueError("Continuations: every alternative (>= 0) needs an entry in slot; found one without")
     first = _verify_tree(draft_tokens, alternatives, draft_logits, target_logits, None, num_drafts,
                          temperature=temperature, has_bonus=has_bonus, noise=noise)
     took = (first.branch > 0).nonzero().squeeze(-1)

@@ -27,11 +27,14 @@ Each is a ``Drafter`` object (``samplers/drafters.py``, which says how to add on
 
 ``draft_candidates`` (c > 1): a draft tree. At every depth j the chain's draft d_j and c - 1 further
 candidates drawn without replacement from the law d_j was drawn from (``more_candidates``: the drafter's
-logits; point-mass drafters have none to give); the alternatives are leaves, verified in the same call
-at d_j's position, each seeing the chain before it (``tree_mask``, ``Capabilities.tree_attention``).
-The recursive rule (``dllm.kernels.verify``: each rejected candidate leaves a residual the next one is
-tested against) keeps the law exact; an accepted alternative ends the round and its leaf row gives one
-more token. A target call then feeds K (c - 1) more tokens: trees trade compute per call for calls.
+logits; point-mass drafters have none to give), verified in the same call at d_j's position, each seeing
+the chain before it (``tree_mask``, ``Capabilities.tree_attention``). The recursive rule
+(``dllm.kernels.verify``: each rejected candidate leaves a residual the next one is tested against) keeps the
+law exact. With independent drafts (``Draft.independent``: a diffusion drafter's marginals) each alternative
+roots a branch, the chain's own drafts after it, and an accepted alternative continues down its branch by the
+chain rule; otherwise the alternatives are leaves, and an accepted one ends the round with one more token from
+its leaf row. A target call then feeds up to (c - 1) K (K + 1) / 2 more tokens with branches, K (c - 1) with
+leaves: trees trade compute per call for calls.
 
 No call reads past position prompt + max_new_tokens - 2, the last input ``ar`` feeds: a draft there
 would leave no room for the bonus token, so it is never verified (drafts past that point are
@@ -264,6 +267,8 @@ def _tree_rows(caller: Caller, kv, seq, rows, length, drafts, alternatives, hidd
     a fresh one (the same logits), since the tree's mask is a cached call's. The extra cache entries lie past
     the chain's, where the round's crop drops them.
     """
+    if branches is not None and hidden:
+        raise ValueError("_tree_rows: branches are for drafters that read no target features (hidden=False)")
     n_rows, width = drafts.shape
     device = seq.device
     siblings = alternatives.flatten(1)  # [R, K A], depth-major

@@ -104,10 +104,11 @@ class FefStepper:
         if tree is not None:  # the branches' copies join the call
             copies, row_of = tree.add_copies(x, positions, count, copies, row_of)
         copy_logits = view.call(copies, row_of)
-        if tree is not None:
+        if tree is not None:  # the branch copies' logits and picks stay with the tree; the chain's go on
             chain = copies.shape[0] - tree.size
             copy_logits = tree.split(copy_logits, pick_next(self.order, copy_logits[chain:],
                                                             view.candidates(copies[chain:]), mask_id), positions)
+            copies = copies[:chain]
         all_logits = torch.cat([draft_logits, copy_logits]) if draft_is_state else copy_logits
         all_tokens = torch.cat([x, copies]) if draft_is_state else copies
         if draft_is_state:  # the draft call was made on x itself: it is copy 0, stored first in all_logits

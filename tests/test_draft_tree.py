@@ -193,8 +193,9 @@ def test_tree_rule_with_continuations_exact(temperature):
 
 
 def test_tree_rule_refuses_what_it_cannot_verify():
-    """Alternatives without leaves or continuations, and explicit noise tensors for a tree with continuations
-    (they cover one verification; a branch needs a second), are refused whatever the draws."""
+    """Alternatives without leaves or continuations (or without their entry in them), and explicit noise tensors
+    for a tree with continuations (they cover one verification; a branch needs a second), are refused whatever
+    the draws."""
     drafts, draft_logits = torch.zeros(2, 2, dtype=torch.long), torch.zeros(2, 2, VOCAB)
     target = torch.zeros(2, 3, VOCAB)
     alternatives = torch.ones(2, 2, 1, dtype=torch.long)
@@ -208,6 +209,10 @@ def test_tree_rule_refuses_what_it_cannot_verify():
     with pytest.raises(ValueError, match="explicit uniforms/gumbels"):
         verify_tree_logits(drafts, alternatives, draft_logits, target, None, temperature=1.0, noise=explicit,
                            continuations=branches)
+    # An alternative without an entry would leave its token in the later candidates' proposal: refused.
+    with pytest.raises(ValueError, match="every alternative"):
+        verify_tree_logits(drafts, alternatives, draft_logits, target, None, temperature=1.0,
+                           noise=Noise(generator=torch.Generator()), continuations=branches)
 
 
 def test_power_tree_rule_with_continuations_on_the_chain_targets_fails():
