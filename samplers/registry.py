@@ -489,7 +489,7 @@ class FefConfig(SequentialConfig):
     draft: str = option(FEF_DRAFT, _choice(fef.DRAFT_SOURCES), "str")
     verifier: str = option("copies", _choice(fef.VERIFIERS), "str")
     draft_head: Any = option(None, _no_check, "str")  # draft="head": a folder or DraftHead; None: the shipped one
-    draft_candidates: int = option(1, _int_at_least(1), "int")  # > 1: a draft tree (two-stream models)
+    draft_candidates: int = option(1, _int_at_least(1), "int")  # > 1: a draft tree, left to right
     candidates_below: float | None = option(None, _number(0.0, 1.0, optional=True), "float")  # tree: where unsure
     CHECKS: ClassVar[tuple] = (_check_verifier, _check_draft_head, _check_fef_tree)
 
