@@ -64,7 +64,7 @@ from .drafters import (
     more_candidates,
 )
 from .head_drafters import head_drafter
-from .verify import Continuations, Noise, rejection_sample
+from .verify import Continuations, Noise, rejection_sample, tree_path
 
 
 def ar(
@@ -151,7 +151,7 @@ def ar_spec(
         lengths[rows] += emitted
         if callback is not None:
             callback(StepEvent("ar_spec", rows, seq[rows], num_drafts=num_drafts, num_accepted=outcome.num_accepted,
-                               **_tree_path(drafts, target, outcome, tree.get("continuations"))))
+                               **tree_path(drafts, target, outcome, tree.get("continuations"))))
         # Tokens every row holds for sure and the caches may keep: those before the last emitted one; after an
         # accepted alternative, before it (the caches hold the chain's draft at its position).
         held = lengths[rows] - 1
@@ -361,24 +361,3 @@ def _keep_features(features, fed, rows, length, shape: tuple[int, int], outcome)
 def _block_size(model) -> int | None:
     """A block-causal model's block size, else None."""
     return capabilities(model).block_size
-
-
-def _tree_path(drafts, target, outcome, continuations=None) -> dict:
-    """``StepEvent``'s drafts and target logits along the verified path (a taken sibling in place of the chain's
-    draft; after it its branch's targets), with ``branch``, ``branch_depth`` and ``replaced`` for a draft tree."""
-    if outcome.branch is None:
-        return {"drafts": drafts, "target_logits": target}
-    took = outcome.branch > 0
-    depth = torch.where(took, outcome.branch_depth, -1)
-    rows = took.nonzero().squeeze(-1)
-    path = drafts.clone()
-    path[rows, depth[rows]] = outcome.tokens[rows, depth[rows]]
-    replaced = torch.full_like(depth, -1)
-    replaced[rows] = drafts[rows, depth[rows]]
-    if continuations is not None and rows.numel():
-        target = target.clone()
-        slot = continuations.slot[rows, depth[rows], outcome.branch[rows] - 1]
-        after = torch.arange(target.shape[1], device=target.device)[None, :] > depth[rows][:, None]
-        target[rows] = torch.where(after[..., None], continuations.targets[slot], target[rows])
-    return {"drafts": path, "target_logits": target, "branch": outcome.branch, "branch_depth": depth,
-            "replaced": replaced}

@@ -46,7 +46,7 @@ from .canvas import View
 from .drafters import Draft, MarginalDrafts, StaleDrafts, more_candidates
 from .fef_head import HeadDrafts
 from .order import choose_window, pick_next
-from .verify import Continuations, Noise, rejection_sample
+from .verify import Continuations, Noise, rejection_sample, tree_path
 
 DRAFT_SOURCES = ("marginal", "stale", "head")
 VERIFIERS = ("copies", "structured")
@@ -132,9 +132,9 @@ class FefStepper:
         outcome = rejection_sample(drafts, window_logits, target_logits, num_drafts, temperature=self.temperature,
                                    has_bonus=has_bonus, noise=Noise(generator=generator), **verify)
         next_logits = all_logits[copy_index[rows, outcome.num_accepted]]
-        event = {"drafts": drafts, "target_logits": target_logits}
         if tree is not None:  # after a taken sibling: its branch's copy with the accepted tokens revealed
-            next_logits, event = tree.after(outcome, next_logits, drafts, target_logits, mask_id)
+            next_logits = tree.after(outcome, next_logits)
+        event = tree_path(drafts, target_logits, outcome, verify.get("continuations"))
         return self._reveal(view, positions, num_drafts, target_positions, outcome, next_logits, event)
 
     def structured_round(self, view: View, proposal: tuple[torch.Tensor, bool]) -> tuple[torch.Tensor, dict]:
@@ -168,7 +168,7 @@ class FefStepper:
         """Write the emitted tokens at their positions, count the round and hand ``next_logits`` [R, Ls, V]
         (the verified copy matching the new state) to the draft source -> (tokens [R, Ls], event fields);
         ``event``: the drafts and ``target_logits`` [R, W + 1, V] (what draft j was tested against, then the
-        bonus), along the path verification followed with a draft tree (``_CopyTree.after``)."""
+        bonus), along the path verification followed with a draft tree (``tree_path``)."""
         self.stats.count_verification(num_drafts, outcome.num_accepted, outcome.num_emitted, outcome.branch)
         emitted_positions = torch.where(outcome.tokens >= 0, target_positions, -1)  # [R, W + 1], -1: nothing
         new_x = view.x.clone()
@@ -197,7 +197,7 @@ class _CopyTree:
         self.path, self.path_logits = path, path_logits  # [K, W] by depth (the sibling at j), [K, W, V]
         self.size = 0  # branch copies in the call
         self.copy_slot = self.copy_depth = None  # [N_b] each branch copy's sibling and the depth it targets
-        self.logits = self.picks = self.targets = None  # [N_b, Ls, V], [N_b], [N_b, V] after the call
+        self.logits = self.picks = None  # [N_b, Ls, V] and [N_b] after the call
         self.positions = self.count = None  # the window [R, W] and its valid drafts [R]
 
     @classmethod
@@ -248,14 +248,11 @@ class _CopyTree:
 
     def _targets(self, mask_id):
         """Each branch copy's target logits [N_b, V]: at s_i, or at its own pick after the row's last draft."""
-        if self.targets is None:
-            rows = self.slot_row[self.copy_slot]
-            width = self.positions.shape[1]
-            inside = self.copy_depth < self.count[rows]
-            at = torch.where(inside, self.positions[rows, self.copy_depth.clamp(max=width - 1)],
-                             self.picks.clamp(min=0))
-            self.targets = forbid_token(self.logits[torch.arange(rows.numel(), device=rows.device), at], mask_id)
-        return self.targets
+        rows = self.slot_row[self.copy_slot]
+        width = self.positions.shape[1]
+        inside = self.copy_depth < self.count[rows]
+        at = torch.where(inside, self.positions[rows, self.copy_depth.clamp(max=width - 1)], self.picks.clamp(min=0))
+        return forbid_token(self.logits[torch.arange(rows.numel(), device=rows.device), at], mask_id)
 
     def continuations(self, mask_id) -> Continuations:
         """Each sibling's branch for the verifier, by absolute depth, one entry per sibling."""
@@ -269,28 +266,17 @@ class _CopyTree:
         targets[self.copy_slot, self.copy_depth] = self._targets(mask_id)
         return Continuations(slot, tokens, self.path_logits, targets)
 
-    def after(self, outcome, next_logits, drafts, target_logits, mask_id):
-        """-> (the verified copy matching the new state per row [R, Ls, V], the event's tree fields: the path's
-        drafts and targets, the taken sibling's depth and the chain draft it replaced)."""
-        drafts, target_logits, next_logits = drafts.clone(), target_logits.clone(), next_logits.clone()
-        depth = torch.full_like(outcome.branch, -1)
-        replaced = torch.full_like(outcome.branch, -1)
+    def after(self, outcome, next_logits):
+        """The verified copy matching the new state per row [R, Ls, V]: after a taken sibling, its branch's copy
+        with the accepted tokens revealed."""
         took = ((outcome.branch[self.slot_row] > 0) & (self.slot_depth == outcome.branch_depth[self.slot_row])
                 & (self.slot_alt == outcome.branch[self.slot_row] - 1))  # [K] the taken sibling's slot
-        if bool(took.any()):
-            k = took.nonzero().squeeze(-1)
-            r, j = self.slot_row[k], self.slot_depth[k]
-            depth[r], replaced[r] = j, drafts[r, j]
-            width = drafts.shape[1]
-            on = torch.arange(width, device=j.device)[None, :] >= j[:, None]
-            drafts[r] = torch.where(on, self.path[k], drafts[r])
-            mine = took[self.copy_slot]
-            c_rows = self.slot_row[self.copy_slot][mine]
-            target_logits[c_rows, self.copy_depth[mine]] = self._targets(mask_id)[mine]
-            match = mine & (self.copy_depth == outcome.num_accepted[self.slot_row[self.copy_slot]])
-            next_logits[self.slot_row[self.copy_slot][match]] = self.logits[match]
-        return next_logits, {"drafts": drafts, "target_logits": target_logits, "branch": outcome.branch,
-                             "branch_depth": depth, "replaced": replaced}
+        rows = self.slot_row[self.copy_slot]
+        match = took[self.copy_slot] & (self.copy_depth == outcome.num_accepted[rows])
+        if bool(match.any()):
+            next_logits = next_logits.clone()
+            next_logits[rows[match]] = self.logits[match]
+        return next_logits
 
 
 def _build_copies(

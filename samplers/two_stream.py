@@ -45,7 +45,7 @@ from .canvas import Canvas
 from .drafters import Draft, independent_drafts, more_candidates
 from .fef_head import head_drafts
 from .order import choose_window, top1_probability
-from .verify import Continuations, Noise, rejection_sample
+from .verify import Continuations, Noise, rejection_sample, tree_path
 
 
 class _Decoding:
@@ -193,10 +193,8 @@ def two_stream_round(state: _Decoding, rows, in_block, temperature, generator, s
             branches.store(state, rows, outcome)
     info = {"revealed": emitted}
     if window:
-        tree = (branches.path(drafts, target_logits, outcome) if branches is not None
-                else {"drafts": drafts, "target_logits": target_logits})
-        info.update(window=positions, num_drafts=num_drafts, num_accepted=outcome.num_accepted,
-                    branch=outcome.branch, **tree)
+        tree = tree_path(drafts, target_logits, outcome, verify.get("continuations"))
+        info.update(window=positions, num_drafts=num_drafts, num_accepted=outcome.num_accepted, **tree)
     return info
 
 
@@ -370,25 +368,6 @@ class _Tree:
         rows = torch.arange(took.shape[0], device=took.device)[:, None, None].expand_as(kept)
         out[rows[kept], self.c_index[kept]] = True
         return out
-
-    def path(self, drafts, target_logits, outcome) -> dict:
-        """The path verification followed, for ``StepEvent``: drafts [R, W] and their target logits [R, W + 1, V]
-        with a taken branch in place (its sibling, its continuation and their targets), the taken sibling's
-        depth and the chain's draft it replaced [R] (-1: none)."""
-        drafts, target_logits = drafts.clone(), target_logits.clone()
-        r, s = self._taken(outcome).nonzero(as_tuple=True)
-        j = self.depth[r, s]
-        depth = torch.full_like(outcome.branch, -1)
-        replaced = torch.full_like(outcome.branch, -1)
-        depth[r], replaced[r] = j, drafts[r, j]
-        width = drafts.shape[1]
-        on_branch = torch.arange(width, device=j.device)[None, :] >= j[:, None]
-        drafts[r] = torch.where(on_branch & (self.branch[r, s] >= 0), self.branch[r, s], drafts[r])
-        leaf = torch.arange(width + 1, device=j.device)[None, :] - j[:, None] - 1  # [k, W + 1] leaf query per depth
-        mine = (leaf >= 0) & (leaf < self.length[r, s][:, None])
-        picked = self.logits[r, s][torch.arange(r.numel(), device=j.device)[:, None], leaf.clamp(min=0)]
-        target_logits[r] = torch.where(mine[..., None], picked, target_logits[r])
-        return {"drafts": drafts, "target_logits": target_logits, "branch_depth": depth, "replaced": replaced}
 
     def store(self, state: _Decoding, rows, outcome) -> None:
         """After an accepted sibling, its branch's queries are the next round's draft logits (and features)."""

@@ -16,7 +16,7 @@ import torch
 from dllm.kernels.verify import Continuations, Noise, VerifyResult, verify_logits, verify_tree_logits
 from dllm.kernels.verify import verify_probs as verify
 
-__all__ = ["Continuations", "Noise", "VerifyResult", "rejection_sample", "verify"]
+__all__ = ["Continuations", "Noise", "VerifyResult", "rejection_sample", "tree_path", "verify"]
 
 
 def rejection_sample(
@@ -45,3 +45,29 @@ def rejection_sample(
                                   continuations=continuations)
     return verify_logits(draft_tokens, draft_logits, target_logits, num_drafts, temperature=temperature,
                          has_bonus=has_bonus, noise=noise)
+
+
+def tree_path(drafts: torch.Tensor, target_logits: torch.Tensor, outcome: VerifyResult,
+              continuations: Continuations | None = None) -> dict:
+    """``StepEvent``'s draft fields for a round: ``drafts`` [R, K] and ``target_logits`` [R, K + 1, V] along the
+    path verification followed (a taken sibling in place of the chain's draft, then its branch's drafts and
+    targets when it has ``continuations``), with ``branch``, ``branch_depth`` and ``replaced`` (the chain's
+    draft the sibling replaced; -1: none) for a draft tree."""
+    if outcome.branch is None:
+        return {"drafts": drafts, "target_logits": target_logits}
+    took = outcome.branch > 0
+    depth = torch.where(took, outcome.branch_depth, -1)
+    rows = took.nonzero().squeeze(-1)
+    j = depth[rows]
+    path, replaced = drafts.clone(), torch.full_like(depth, -1)
+    replaced[rows] = drafts[rows, j]
+    path[rows, j] = outcome.tokens[rows, j]
+    if continuations is not None and rows.numel():
+        slot = continuations.slot[rows, j, outcome.branch[rows] - 1]
+        branch = continuations.tokens[slot]  # -1 at and before the sibling's depth, and past the row's drafts
+        path[rows] = torch.where(branch >= 0, branch, path[rows])
+        target_logits = target_logits.clone()
+        after = torch.arange(target_logits.shape[1], device=j.device)[None, :] > j[:, None]
+        target_logits[rows] = torch.where(after[..., None], continuations.targets[slot], target_logits[rows])
+    return {"drafts": path, "target_logits": target_logits, "branch": outcome.branch, "branch_depth": depth,
+            "replaced": replaced}

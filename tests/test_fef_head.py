@@ -129,10 +129,10 @@ def test_power_head_reporting_other_logits_fails(model, head, monkeypatch):
     assert chi_square_pvalue(answers, expected) < 1e-6
 
 
-def tiny_block_causal(seed=4):
+def tiny_block_causal(seed=4, block_size=2):
     torch.manual_seed(seed)
     config = TransformerConfig(vocab_size=5, dim=32, n_layers=2, n_heads=2, max_seq_len=64, layout="block_causal",
-                               block_size=2, mask_token_id=2, eos_token_id=None)
+                               block_size=block_size, mask_token_id=2, eos_token_id=None)
     model = TransformerLM(config).eval()
     with torch.no_grad():
         model.output.weight.mul_(0.1)  # a spread-out distribution over the 4 tokens

@@ -13,12 +13,11 @@ import itertools
 
 import pytest
 import torch
-from test_fef_head import WithFeatures, random_head
+from test_fef_head import WithFeatures, random_head, tiny_block_causal
 
 import dllm
 import dllm.samplers.fef as fef_module
 from dllm.models.oracle import HMMOracle, InconsistentModel
-from dllm.models.transformer import TransformerConfig, TransformerLM
 from dllm.samplers import sequential_distribution
 
 from stat_tools import ALPHA, chi_square_pvalue
@@ -78,11 +77,7 @@ def test_copy_trees_are_exact(model, monkeypatch, draft, candidates, below, wind
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_copy_trees_exact_with_block_cache(temperature):
     """A real (random) block-causal transformer (blocks of 4) through the block cache, with a random head."""
-    torch.manual_seed(4)
-    model = TransformerLM(TransformerConfig(vocab_size=5, dim=32, n_layers=2, n_heads=2, max_seq_len=64,
-                                            layout="block_causal", block_size=4, mask_token_id=2, eos_token_id=None))
-    with torch.no_grad():
-        model.output.weight.mul_(0.1)  # a spread-out distribution over the 4 tokens
+    model = tiny_block_causal(block_size=4)
     head = random_head(5, 2, 32, seed=1, scale=1.0)
     prompt = torch.tensor([0, 3])
     with torch.no_grad():
