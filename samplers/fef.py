@@ -44,7 +44,7 @@ from dllm.stats import DecodeStats
 
 from .canvas import View
 from .drafters import Draft, MarginalDrafts, StaleDrafts, more_candidates
-from .fef_head import HeadDrafts
+from .fef_head import HeadDrafts, branch_paths
 from .order import choose_window, pick_next
 from .verify import Continuations, Noise, rejection_sample, tree_path
 
@@ -214,16 +214,12 @@ class _CopyTree:
             alternatives[:, 0] = -1
         slot_row, flat = (alternatives >= 0).flatten(1).nonzero(as_tuple=True)  # row-major, depth-major in a row
         slot_depth, slot_alt = flat // extra, flat % extra
-        sibling = alternatives[slot_row, slot_depth, slot_alt]
-        redraft = getattr(source, "redraft", None)
-        if redraft is None or not slot_row.numel():  # independent drafts: the chain's fit any branch
-            path, path_logits = drafts[slot_row].clone(), window_logits[slot_row]
-        else:
-            steps = torch.arange(drafts.shape[1], device=drafts.device)
-            forced = torch.where(steps[None, :] < slot_depth[:, None], drafts[slot_row], -1)
-            forced[torch.arange(slot_row.numel(), device=drafts.device), slot_depth] = sibling
-            path, path_logits = redraft(slot_row, forced, temperature, bind_rows(generator, slot_row))
-        path[torch.arange(slot_row.numel(), device=drafts.device), slot_depth] = sibling
+        redraft = None
+        if isinstance(source, HeadDrafts):  # marginal and stale drafts are independent
+            def redraft(which, forced):
+                return source.redraft(which, forced, temperature, bind_rows(generator, which))
+        path, path_logits = branch_paths(drafts, window_logits, slot_row, slot_depth,
+                                         alternatives[slot_row, slot_depth, slot_alt], redraft)
         return cls(alternatives, slot_row, slot_depth, slot_alt, path, path_logits)
 
     def add_copies(self, x, positions, count, copies, row_of):

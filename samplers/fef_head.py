@@ -76,3 +76,23 @@ def head_drafts(head: DraftHead, features: torch.Tensor, base: torch.Tensor, fir
         tokens[:, j] = token
         drawn.append(logits)
     return tokens, torch.stack(drawn, dim=1)
+
+
+def branch_paths(drafts: torch.Tensor, window_logits: torch.Tensor, rows: torch.Tensor, depth: torch.Tensor,
+                 sibling: torch.Tensor, redraft) -> tuple[torch.Tensor, torch.Tensor]:
+    """The drafts along each draft-tree branch (fef's two layouts share this) -> (path [k, W] by depth: the
+    chain's drafts before the sibling, the sibling at its ``depth``, then its continuation; the logits each
+    continuation draft was drawn from [k, W, V]). Branch i roots at window row ``rows[i]``. ``redraft(rows,
+    forced)``: a head's steps along the forced paths; None for independent drafts, whose chain draws fit any
+    branch (the law at a position does not depend on the token before)."""
+    k = rows.numel()
+    index = torch.arange(k, device=drafts.device)
+    if redraft is None or not k:
+        path, path_logits = drafts[rows].clone(), window_logits[rows]
+    else:
+        steps = torch.arange(drafts.shape[1], device=drafts.device)
+        forced = torch.where(steps[None, :] < depth[:, None], drafts[rows], -1)
+        forced[index, depth] = sibling
+        path, path_logits = redraft(rows, forced)
+    path[index, depth] = sibling
+    return path, path_logits

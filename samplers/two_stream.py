@@ -43,7 +43,7 @@ from dllm.stats import DecodeStats, StepEvent
 
 from .canvas import Canvas
 from .drafters import Draft, independent_drafts, more_candidates
-from .fef_head import head_drafts
+from .fef_head import branch_paths, head_drafts
 from .order import choose_window, top1_probability
 from .verify import Continuations, Noise, rejection_sample, tree_path
 
@@ -261,18 +261,12 @@ class _Tree:
         q = torch.arange(2 * window, device=device)
         cols[r, slot] = torch.where(q[None, :] < branch_length[r, slot][:, None] + window, lead, -1)
         # The branch: b_0 (the sibling) at depth j, its continuation at depths j + 1 .. n - 1.
-        j = depth[r, slot][:, None]
-        if redraft is None or not r.numel():  # independent drafts: the chain's own draws fit any branch
-            path, path_logits = drafts[r], window_logits[r]
-        else:
-            forced = torch.where(steps[None, :] < j, drafts[r], -1)
-            forced[torch.arange(r.numel(), device=device), j[:, 0]] = tokens[r, slot]
-            path, path_logits = redraft(r, forced)
+        j = depth[r, slot]
+        path, path_logits = branch_paths(drafts, window_logits, r, j, tokens[r, slot], redraft)
         branch = torch.full((n, size, width), -1, dtype=torch.long, device=device)
         branch_logits = window_logits.new_zeros((n, size, width, window_logits.shape[-1]))
-        mine = (steps[None, :] > j) & (steps[None, :] < count[r][:, None])
+        mine = (steps[None, :] >= j[:, None]) & (steps[None, :] < count[r][:, None])
         branch[r, slot] = torch.where(mine, path, -1)
-        branch[r, slot, j[:, 0]] = tokens[r, slot]
         branch_logits[r, slot] = path_logits
         return cls(alternatives, depth, alt, tokens, cols, branch_length, branch, branch_logits)
 
