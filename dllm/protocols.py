@@ -98,6 +98,13 @@ def is_causal_model(model: object) -> bool:
 #   and ``streams(content, positions, valid, query_pos, query_sees, cache=, rows=, append=)``; sequential and
 #   fef then run samplers/two_stream.py, whose one-pass window verification is the chain itself.
 #
+# logits_at (logits only where they are read): ``model(input_ids, ..., logits_at=at)`` and
+#   ``forward_cached(..., logits_at=at)`` with ``at`` a LongTensor [N, K] of input positions return logits
+#   [N, K, V] at those positions only, in the model's dtype (with ``return_hidden``, the features there too):
+#   the output layer runs on gathered features. At a real vocabulary (126k-157k) the [N, L, V] float32 tensor of
+#   every position is most of a round's memory, and samplers read a few positions. Sessions ask every model
+#   this way; for a model without it they gather from the full answer (``gather_positions``), in one place.
+#
 # needs_prompt: the model cannot decode after an empty prompt (an encoder that reads the prompt, say);
 #   ``generate`` refuses empty prompts for it. Every other model decodes from an empty prompt with every
 #   sampler and cache mode.
@@ -126,6 +133,7 @@ class Capabilities:
     tree_attention: bool = False
     reveal_order_cache: bool = False  # streams(): revealed tokens cached in reveal order (dllm/models/two_stream.py)
     one_pass_exact: bool = False  # one call's window conditionals are the sequential chain's (fef exact in one pass)
+    logits_at: bool = False  # __call__/forward_cached(..., logits_at=[N, K]) -> logits [N, K, V] in the model's dtype
     # (sampler, option, value, when): the settings measured fastest on this model, used where the caller
     # passes none (``generate``, ``dllm generate/eval/bench``) and only while the options in ``when``
     # ((option, value) pairs) have those values; exact samplers' laws do not depend on them.
@@ -170,6 +178,13 @@ def capabilities(model: object) -> Capabilities:
         structured_verify=callable(getattr(model, "structured_verify", None)),
         native_loop=callable(getattr(model, "native_loop", None)),
     )
+
+
+def gather_positions(values: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """``values`` [N, L, ...] at positions ``at`` [N, K] of each row -> [N, K, ...]: what ``logits_at`` asks of a
+    model, and how a session answers it for a model that cannot."""
+    index = at.reshape(*at.shape, *([1] * (values.dim() - 2))).expand(*at.shape, *values.shape[2:])
+    return values.gather(1, index)
 
 
 def context_length(model: object) -> int | None:

@@ -25,7 +25,7 @@ import torch
 from dllm import stops
 from dllm.counting import Call, structured_tokens
 from dllm.numerics import positions_from_mask
-from dllm.protocols import capabilities
+from dllm.protocols import capabilities, gather_positions
 from dllm.stats import DecodeStats
 
 CACHE_MODES = ("auto", "none", "block", "prefix", "dual")
@@ -131,22 +131,49 @@ class Caller:
         return check_logits(out, input_ids)
 
 
-def check_logits(out, input_ids: torch.Tensor):
-    """The model's answer unchanged, once its logits (the first item of a (logits, features) pair) are [N, n, V]."""
+def check_logits(out, input_ids: torch.Tensor, at: torch.Tensor | None = None):
+    """The model's answer unchanged, once its logits (the first item of a (logits, features) pair) are [N, n, V]
+    (with ``at`` [N, K], asked through ``logits_at``: [N, K, V])."""
     logits = out[0] if isinstance(out, tuple) else out
-    if logits.dim() != 3 or logits.shape[:2] != input_ids.shape:
+    expected = input_ids.shape if at is None else at.shape
+    if logits.dim() != 3 or logits.shape[:2] != expected:
         raise ValueError(f"model returned logits of shape {tuple(logits.shape)} for input_ids "
-                         f"{tuple(input_ids.shape)}; expected [B, L, V]")
+                         f"{tuple(input_ids.shape)}" + ("; expected [B, L, V]" if at is None else
+                                                         f" and logits_at {tuple(at.shape)}; expected [B, K, V]"))
     return out
+
+
+def _ask(at: torch.Tensor | None, skip: int, native: bool) -> dict:
+    """The model keyword for logits at ``at`` [N, K] (positions after ``skip`` leading inputs), when the model
+    answers it itself (``Capabilities.logits_at``)."""
+    return {"logits_at": at + skip} if at is not None and native else {}
+
+
+def _settle(out, tokens: torch.Tensor, at: torch.Tensor | None, skip: int, native: bool):
+    """A session's answer from the model's: logits [N, n - skip, V] after ``skip`` leading inputs, or float32
+    logits [N, K, V] at ``at`` [N, K] (gathered here for a model without ``logits_at``); features alike."""
+    check_logits(out, tokens, at if native else None)
+    if at is None and not skip:
+        return out
+    parts = out if isinstance(out, tuple) else (out,)
+    if at is None:
+        parts = tuple(part[:, skip:] for part in parts)
+    else:
+        if not native:
+            parts = tuple(gather_positions(part, at + skip) for part in parts)
+        parts = (parts[0].float(), *parts[1:])  # only the rows read turn to float32
+    return parts if isinstance(out, tuple) else parts[0]
 
 
 @dataclass
 class View:
     """What one step sees of R active rows: tokens, the active block inside them, and the model calls.
 
-    ``call(tokens [N, Ls], which [N], hidden=False)``: logits [N, Ls, V] of tokens shaped like the view,
+    ``call(tokens [N, Ls], which [N], hidden=False, at=None)``: logits [N, Ls, V] of tokens shaped like the view,
     ``which`` in 0..R-1 naming the view row each input belongs to (copies repeat it); ``hidden`` (a model
-    with ``Capabilities.hidden_states``): (logits, features [N, Ls, D]). ``structured(tokens, positions,
+    with ``Capabilities.hidden_states``): (logits, features [N, Ls, D]); ``at`` [N, K] view positions: float32
+    logits [N, K, V] there only (a ``Band``'s; what rounds ask, so that no [N, Ls, V] tensor is made at a real
+    vocabulary). ``structured(tokens, positions,
     drafts, count, bonus)``: the model's one-pass window verification of every view row. Both are the
     session's own methods with these rows bound (``functools.partial``: no frame between a step and the
     session, which calls the model).
@@ -159,6 +186,7 @@ class View:
     prompt_length: int  # prompt positions inside the view (0 when the view starts after the prompt)
     mask_token_id: int
     session: Session  # the one call path: every model call of a step goes through it
+    block: tuple[int, int]  # the active block's view positions [start, stop) (``region``, known on the host)
     call: Callable[..., torch.Tensor] = field(init=False, repr=False)
     structured: Callable[..., tuple] = field(init=False, repr=False)
 
@@ -169,6 +197,50 @@ class View:
     def candidates(self, tokens: torch.Tensor) -> torch.Tensor:
         """Masked positions of the active block in ``tokens`` [N, Ls] -> bool [N, Ls]."""
         return (tokens == self.mask_token_id) & self.region[None, :]
+
+    @property
+    def batch(self) -> int:
+        """Rows of the whole canvas (the view holds some of them)."""
+        return self.session.canvas.x.shape[0]
+
+    def block_band(self, extra: int = 0) -> Band:
+        """The active block (and ``extra`` positions after it) as every row's band."""
+        start, stop = self.block
+        return Band(torch.full_like(self.rows, start), stop - start + extra, self.x.shape[1])
+
+
+@dataclass(frozen=True)
+class Band:
+    """``width`` consecutive view positions of every view row from ``start`` [R] on: where a round reads logits.
+
+    Logits asked on a band (``View.call(..., at=band.at(which))``) are [N, width, V]: the logit of view position
+    p of an input of view row r is at slot p - start[r]. Rounds work in slots and turn them into view positions
+    (``positions``) only to write tokens. Slots past the view's end are not ``valid`` (their logits repeat the
+    last position's and are never read).
+    """
+
+    start: torch.Tensor  # [R] long
+    width: int
+    length: int  # the view's length Ls
+
+    def at(self, which: torch.Tensor | None = None) -> torch.Tensor:
+        """View positions [N, width] of inputs of view rows ``which`` [N] (None: one per row)."""
+        start = self.start if which is None else self.start[which]
+        return (start[:, None] + torch.arange(self.width, device=start.device)).clamp(max=self.length - 1)
+
+    def valid(self, which: torch.Tensor | None = None) -> torch.Tensor:
+        """Slots inside the view -> bool [N, width]."""
+        start = self.start if which is None else self.start[which]
+        return start[:, None] + torch.arange(self.width, device=start.device) < self.length
+
+    def candidates(self, view: View, tokens: torch.Tensor, which: torch.Tensor | None = None) -> torch.Tensor:
+        """``view.candidates(tokens)`` in slots -> bool [N, width]."""
+        return view.candidates(tokens).gather(1, self.at(which)) & self.valid(which)
+
+    def positions(self, slots: torch.Tensor, which: torch.Tensor | None = None) -> torch.Tensor:
+        """View positions of ``slots`` [N, K] (negative slots stay negative: -1 means none)."""
+        start = self.start if which is None else self.start[which]
+        return torch.where(slots >= 0, slots + start[:, None], slots)
 
 
 class Session(Protocol):
@@ -185,9 +257,11 @@ class Session(Protocol):
 
     def view(self, rows: torch.Tensor) -> View: ...
 
-    def logits(self, tokens: torch.Tensor, which: torch.Tensor, hidden: bool = False, *, rows: torch.Tensor):
+    def logits(self, tokens: torch.Tensor, which: torch.Tensor, hidden: bool = False, *, rows: torch.Tensor,
+               at: torch.Tensor | None = None):
         """Logits [N, Ls, V] of view-shaped ``tokens`` [N, Ls]; input i belongs to canvas row
-        ``rows[which[i]]`` (``rows`` [R] the view's rows); ``hidden``: (logits, features [N, Ls, D])."""
+        ``rows[which[i]]`` (``rows`` [R] the view's rows, each served by the call); ``hidden``: (logits,
+        features [N, Ls, D]); ``at`` [N, K] view positions: float32 logits [N, K, V] (features [N, K, D]) there."""
         ...
 
     def structured(self, tokens: torch.Tensor, *args, rows: torch.Tensor) -> tuple: ...
@@ -200,15 +274,18 @@ class _Session:
 
     def __init__(self, canvas: Canvas, caller: Caller):
         self.canvas, self.caller = canvas, caller
+        self.native_at = capabilities(caller.model).logits_at  # the model answers logits_at itself
 
     def begin_block(self, block: int) -> None:
         self.block = block
 
     def _view(self, rows: torch.Tensor, start: int, stop: int, active: int, prompt_length: int = 0) -> View:
         """The view of canvas positions [start, stop) of ``rows``; the first ``active`` of them are the block."""
+        first = self.canvas.span(self.block)[0] - start  # the block's first view position
         region = torch.arange(stop - start, device=rows.device) < active
+        region[:first] = False
         return View(self.canvas.x[rows, start:stop], region, rows, start, prompt_length, self.canvas.mask_token_id,
-                    self)
+                    self, (first, active))
 
     def structured(self, tokens, *args, rows):
         raise ValueError("the structured verifier needs an exact view: cache='none' or 'block', not an "
@@ -220,15 +297,14 @@ class FullSession(_Session):
 
     def view(self, rows: torch.Tensor) -> View:
         start, end = self.canvas.span(self.block)
-        view = self._view(rows, 0, self.canvas.x.shape[1], end, self.canvas.prompt_length)
-        view.region[:start] = False
-        return view
+        return self._view(rows, 0, self.canvas.x.shape[1], end, self.canvas.prompt_length)
 
-    def logits(self, tokens: torch.Tensor, which: torch.Tensor, hidden: bool = False, *, rows: torch.Tensor):
-        rows = rows[which]
-        self.caller.count(tokens, _served(rows))
-        kwargs = self.caller.kwargs(rows, slice(0, tokens.shape[1]))
-        return check_logits(self.caller.model(tokens, **kwargs, **_hidden(hidden)), tokens)
+    def logits(self, tokens: torch.Tensor, which: torch.Tensor, hidden: bool = False, *, rows: torch.Tensor,
+               at: torch.Tensor | None = None):
+        self.caller.count(tokens, len(rows))  # copies of a view row serve it once; every view row is served
+        kwargs = self.caller.kwargs(rows[which], slice(0, tokens.shape[1]))
+        out = self.caller.model(tokens, **kwargs, **_hidden(hidden), **_ask(at, 0, self.native_at))
+        return _settle(out, tokens, at, 0, self.native_at)
 
     def structured(self, tokens, *args, rows):
         """The model's ``structured_verify`` on R rows; counted as one call over state + 2W + 1 tokens."""
@@ -280,21 +356,20 @@ class BlockCacheSession(_Session):
         start, end, stop = self._span()
         return self._view(rows, start, stop, end - start)
 
-    def logits(self, tokens: torch.Tensor, which: torch.Tensor, hidden: bool = False, *, rows: torch.Tensor):
-        rows = rows[which]
+    def logits(self, tokens: torch.Tensor, which: torch.Tensor, hidden: bool = False, *, rows: torch.Tensor,
+               at: torch.Tensor | None = None):
+        served, rows = len(rows), rows[which]
         start, _, stop = self._span()
         pending = start - self.cached_until  # a finished block not yet in the cache: commit it now
         if pending:
             tokens = torch.cat([self.canvas.x[rows, self.cached_until : start], tokens], dim=1)
-        self.caller.count(tokens, _served(rows), self.cache)
+        self.caller.count(tokens, served, self.cache)
         out = self.caller.model.forward_cached(tokens, self.cache, rows=rows, append=False,
                                                **({"commit": pending} if pending else {}), **_hidden(hidden),
-                                               **self.caller.kwargs(rows, slice(0, stop)))
-        check_logits(out, tokens)
+                                               **self.caller.kwargs(rows, slice(0, stop)),
+                                               **_ask(at, pending, self.native_at))
         self.cached_until = start
-        if hidden:
-            return out[0][:, pending:], out[1][:, pending:]
-        return out[:, pending:]
+        return _settle(out, tokens, at, pending, self.native_at)
 
     def structured(self, tokens, *args, rows):
         """As ``FullSession.structured``, the state read from the active block on against the cache."""
@@ -328,14 +403,15 @@ class PrefixCacheSession(_Session):
         start, end = self.canvas.span(self.block)
         return self._view(rows, start, self.canvas.x.shape[1], end - start)
 
-    def logits(self, tokens: torch.Tensor, which: torch.Tensor, hidden: bool = False, *, rows: torch.Tensor):
-        rows = rows[which]
-        self.caller.count(tokens, _served(rows), self.cache)
+    def logits(self, tokens: torch.Tensor, which: torch.Tensor, hidden: bool = False, *, rows: torch.Tensor,
+               at: torch.Tensor | None = None):
+        served, rows = len(rows), rows[which]
+        self.caller.count(tokens, served, self.cache)
         # The new tokens' mask columns are the last ones of keys=[0, L): answer positions, all ones.
         out = self.caller.model.forward_cached(tokens, self.cache, rows=rows, append=False, **self._place(rows),
                                                **self.caller.kwargs(rows, slice(0, self.canvas.x.shape[1])),
-                                               **_hidden(hidden))
-        return check_logits(out, tokens)
+                                               **_hidden(hidden), **_ask(at, 0, self.native_at))
+        return _settle(out, tokens, at, 0, self.native_at)
 
     def _place(self, rows: torch.Tensor) -> dict:
         """Extra keyword arguments that place the new tokens (none: they follow the cached prefix)."""
@@ -371,11 +447,6 @@ class DualCacheSession(PrefixCacheSession):
 def _hidden(hidden: bool) -> dict:
     """The model keyword asking for features too; absent unless asked, so bare logits functions work."""
     return {"return_hidden": True} if hidden else {}
-
-
-def _served(rows: torch.Tensor) -> int:
-    """Sequences a call serves: its distinct canvas rows (verification copies of a row count once)."""
-    return int(rows.unique().numel())
 
 
 SESSIONS = {"none": FullSession, "block": BlockCacheSession, "prefix": PrefixCacheSession, "dual": DualCacheSession}

@@ -14,8 +14,9 @@ answer start, finished blocks cached). ``ar_spec`` builds one from its ``drafter
 the loop (``samplers.ar._make_drafter``); the loop only calls ``propose`` and ``rollback``.
 
 fef's draft sources (``MarginalDrafts``, ``StaleDrafts``) answer a wider question, since fef picks its
-window from the draft logits of every position: ``logits(view) -> (draft logits [R, Ls, V], whether they
-are the model at the state)`` and ``observe(view, next_logits)`` after each round, in place of rollback.
+window from the draft logits of the positions it may choose: ``logits(view) -> (draft logits [R, K, V] on a
+band of K view positions per row, whether they are the model at the state, the ``Band``)`` and, for a source
+that ``wants_next`` (stale drafts), ``observe(view, next_logits, band)`` after each round.
 
 Adding a drafter (e.g. a trained draft head): subclass ``Drafter``, implement ``propose`` (sample each
 draft with ``bind_rows(ctx.generator, ctx.rows)`` so rows replay independently, never read past
@@ -32,7 +33,8 @@ import torch
 
 from dllm.numerics import bind_rows, forbid_token, sample_from_logits, sample_more
 
-from .canvas import Caller
+from .canvas import Band, Caller
+from .order import read_band
 
 
 @dataclass(frozen=True)
@@ -149,63 +151,77 @@ class DiffusionDrafter(Drafter):
 
 
 class MarginalDrafts:
-    """fef's ``draft="marginal"``: a model call on the current state, which also serves as verify copy 0."""
+    """fef's ``draft="marginal"``: a model call on the current state, which also serves as verify copy 0.
+
+    Every call of a round reads logits on one band per row (``band``): left to right the window and the bonus
+    position after it, W + 1 positions from the first masked one; in another order the active block."""
 
     lookahead = False  # the session need not score the next block
+    wants_next = False  # the round need not hand over the verified copy matching the new state
 
-    def logits(self, view) -> tuple[torch.Tensor, bool]:
-        """Draft logits for the view's rows [R, Ls, V], and whether they are the model at ``view.x``."""
-        return view.call(view.x, torch.arange(view.x.shape[0], device=view.x.device)), True
+    def __init__(self, order: str = "left_to_right", window: int = 4):
+        self.order, self.window = order, window
 
-    def observe(self, view, next_logits: torch.Tensor) -> None:
-        """After a round: ``next_logits`` [R, Ls, V] are the verified copy matching the new state."""
+    def band(self, view) -> Band:
+        """The view positions every call of this round reads, per row."""
+        return read_band(self.order, view, self.window + 1)
+
+    def logits(self, view) -> tuple[torch.Tensor, bool, Band]:
+        """Draft logits for the view's rows on their band [R, K, V], whether they are the model at ``view.x``,
+        and the band."""
+        band = self.band(view)
+        return view.call(view.x, torch.arange(view.x.shape[0], device=view.x.device), at=band.at()), True, band
+
+    def observe(self, view, next_logits: torch.Tensor, band: Band) -> None:
+        """After a round (``wants_next``): ``next_logits`` [R, K, V] on ``band`` are the verified copy matching
+        the new state."""
 
     def sample(self, view, draft_logits: torch.Tensor, positions: torch.Tensor, temperature: float,
                generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """Drafts at the window ``positions`` [R, W] -> (tokens [R, W], the logits they were drawn from
-        [R, W, V], mask token forbidden). Here independent draws from ``draft_logits`` [R, Ls, V]; a source
-        that conditions draft j on drafts 0..j-1 (a draft head) overrides this and stays exact as long as
+        """Drafts at the window ``positions`` [R, W] (slots of the band) -> (tokens [R, W], the logits they were
+        drawn from [R, W, V], mask token forbidden). Here independent draws from ``draft_logits`` [R, K, V]; a
+        source that conditions draft j on drafts 0..j-1 (a draft head) overrides this and stays exact as long as
         it returns the very logits it sampled from."""
         rows = torch.arange(positions.shape[0], device=positions.device)
         return independent_drafts(draft_logits[rows[:, None], positions], view.mask_token_id, temperature, generator)
 
 
 class StaleDrafts(MarginalDrafts):
-    """fef's ``draft="stale"``: the previous round's verified copy (no draft call); a fresh call when
-    those logits do not cover the active block (the first round, or a block they never scored)."""
+    """fef's ``draft="stale"``: the previous round's verified copy (no draft call); a fresh call in a row's
+    first round.
+
+    Its band reaches further than the marginal one, so that the copy matching the new state also covers the
+    next round's window: left to right 2W + 2 positions (a round emits at most W + 1 tokens, so the next window
+    starts at most W + 1 on), in another order the active block and the next one (``lookahead``: the block
+    cache's view holds it). Every later window lies inside what the last round stored, by construction, so no
+    check reads the device."""
 
     lookahead = True  # each call also scores the next block, so its first round can draft stale too
+    wants_next = True
 
-    def __init__(self) -> None:
-        self.stale: torch.Tensor | None = None  # [B, Ls, V] per canvas row
-        self.offset = 0  # canvas position of the stale logits' first column
+    def __init__(self, order: str = "left_to_right", window: int = 4) -> None:
+        super().__init__(order, window)
+        self.stale: torch.Tensor | None = None  # [B, K, V] per canvas row, on its band
+        self.start: torch.Tensor | None = None  # [B] canvas position of each row's first stored slot
 
-    def logits(self, view) -> tuple[torch.Tensor, bool]:
-        aligned = self._aligned(view)
-        if aligned is None:  # the state call itself, not through super(): one frame fewer below generate
-            return view.call(view.x, torch.arange(view.x.shape[0], device=view.x.device)), True
-        return aligned, False
+    def band(self, view) -> Band:
+        return read_band(self.order, view, 2 * self.window + 2, ahead=True)
 
-    def observe(self, view, next_logits: torch.Tensor) -> None:
-        if self.stale is None or self.stale.shape[1:] != next_logits.shape[1:]:
-            self.stale = next_logits.new_zeros((int(view.rows.max()) + 1, *next_logits.shape[1:]))
-        self.stale[view.rows] = next_logits
-        self.offset = view.offset
+    def logits(self, view) -> tuple[torch.Tensor, bool, Band]:
+        band = self.band(view)
+        if self.stale is None:  # the state call itself, not through super(): one frame fewer below generate
+            return view.call(view.x, torch.arange(view.x.shape[0], device=view.x.device), at=band.at()), True, band
+        shift = band.start + view.offset - self.start[view.rows]  # [R] >= 0: the band moved right
+        slots = (shift[:, None] + torch.arange(band.width, device=shift.device)).clamp(max=self.stale.shape[1] - 1)
+        # slots past what was stored hold the last stored column: past the next window, never read
+        return self.stale[view.rows].gather(1, slots[..., None].expand(-1, -1, self.stale.shape[2])), False, band
 
-    def _aligned(self, view) -> torch.Tensor | None:
-        """Stale logits re-aligned to this view, or None when they do not cover its active block."""
+    def observe(self, view, next_logits: torch.Tensor, band: Band) -> None:
         if self.stale is None:
-            return None
-        shift = view.offset - self.offset
-        source = self.stale[view.rows, shift:]
-        needed = int(view.region.nonzero().max()) + 1
-        if shift < 0 or source.shape[1] < needed:
-            return None
-        width = view.x.shape[1]
-        if source.shape[1] >= width:
-            return source[:, :width]
-        pad = source.new_zeros((source.shape[0], width - source.shape[1], source.shape[2]))
-        return torch.cat([source, pad], dim=1)  # columns past the active block are never read
+            self.stale = next_logits.new_zeros((view.batch, *next_logits.shape[1:]))
+            self.start = band.start.new_zeros(view.batch)
+        self.stale[view.rows] = next_logits
+        self.start[view.rows] = band.start + view.offset
 
 
 def more_candidates(draft: Draft, count: int, temperature: float, generator, rows: torch.Tensor,

@@ -40,9 +40,10 @@ import torch
 from dllm.defaults import FEF_HEAD
 from dllm.models.draft_head import load_draft_head
 from dllm.numerics import bind_rows, forbid_token
+from dllm.protocols import gather_positions
 from dllm.stats import DecodeStats
 
-from .canvas import View
+from .canvas import Band, View
 from .drafters import Draft, MarginalDrafts, StaleDrafts, more_candidates
 from .fef_head import HeadDrafts, branch_paths
 from .order import choose_window, pick_next
@@ -74,9 +75,10 @@ class FefStepper:
 
     def __post_init__(self) -> None:  # the source is chosen once, not per round
         head = FEF_HEAD if self.draft_head is None else self.draft_head
-        sources = {"stale": StaleDrafts, "head": lambda: HeadDrafts(load_draft_head(head))}
-        self.source = sources.get(self.draft, MarginalDrafts)()
-        self.logits = self.source.logits  # (view) -> (draft logits [R, Ls, V], whether they are the model at the state)
+        sources = {"stale": StaleDrafts, "head": lambda *a: HeadDrafts(load_draft_head(head), *a)}
+        self.source = sources.get(self.draft, MarginalDrafts)(self.order, self.window)
+        # (view) -> (draft logits [R, K, V] on the round's band, whether they are the model at the state, the band)
+        self.logits = self.source.logits
         self.step = self.structured_round if self.verifier == "structured" else self.round
 
     @property
@@ -87,55 +89,61 @@ class FefStepper:
     def begin_block(self, block: int) -> None:
         pass  # stale logits carry over: the last round's copy already scored the next block
 
-    def round(self, view: View, proposal: tuple[torch.Tensor, bool]) -> tuple[torch.Tensor, dict]:
-        """One draft-verify-reveal round for the view's R rows from ``proposal`` = (draft logits [R, Ls, V],
-        whether they are the model at view.x itself, so that they serve as copy 0); see the module docstring."""
-        draft_logits, draft_is_state = proposal
+    def round(self, view: View, proposal: tuple[torch.Tensor, bool, Band]) -> tuple[torch.Tensor, dict]:
+        """One draft-verify-reveal round for the view's R rows from ``proposal`` = (draft logits [R, K, V] on the
+        round's band, whether they are the model at view.x itself, so that they serve as copy 0, the band); see
+        the module docstring. Every call of the round reads the band only: positions below are its slots."""
+        draft_logits, draft_is_state, band = proposal
         generator = bind_rows(self.generator, view.rows)  # every draw below is per view row
         x, mask_id = view.x, view.mask_token_id
         rows = torch.arange(x.shape[0], device=x.device)
-        positions, count = choose_window(self.order, draft_logits, view.candidates(x), mask_id, self.window)
-        drafts, window_logits = self.source.sample(view, draft_logits, positions, self.temperature, generator)
+        slots, count = choose_window(self.order, draft_logits, band.candidates(view, x), mask_id, self.window)
+        drafts, window_logits = self.source.sample(view, draft_logits, slots, self.temperature, generator)
         tree = _CopyTree.grow(self.source, drafts, window_logits, count, self.draft_candidates - 1,
                               self.candidates_below, self.temperature, generator,
                               skip_first=draft_is_state) if self.draft_candidates > 1 else None
 
+        positions = band.positions(slots)  # view positions, where the copies reveal drafts
         copies, copy_index, row_of = _build_copies(x, positions, drafts, count, skip_first=draft_is_state)
         if tree is not None:  # the branches' copies join the call
             copies, row_of = tree.add_copies(x, positions, count, copies, row_of)
-        copy_logits = view.call(copies, row_of)
+        copy_logits = view.call(copies, row_of, at=band.at(row_of))
         if tree is not None:  # the branch copies' logits and picks stay with the tree; the chain's go on
             chain = copies.shape[0] - tree.size
-            copy_logits = tree.split(copy_logits, pick_next(self.order, copy_logits[chain:],
-                                                            view.candidates(copies[chain:]), mask_id), positions)
-            copies = copies[:chain]
+            branch_candidates = band.candidates(view, copies[chain:], row_of[chain:])
+            copy_logits = tree.split(copy_logits, pick_next(self.order, copy_logits[chain:], branch_candidates,
+                                                            mask_id), slots)
+            copies, row_of = copies[:chain], row_of[:chain]
         all_logits = torch.cat([draft_logits, copy_logits]) if draft_is_state else copy_logits
         all_tokens = torch.cat([x, copies]) if draft_is_state else copies
+        all_rows = torch.cat([rows, row_of]) if draft_is_state else row_of
         if draft_is_state:  # the draft call was made on x itself: it is copy 0, stored first in all_logits
             copy_index = torch.where(copy_index >= 0, copy_index + x.shape[0], copy_index)
             copy_index[:, 0] = rows
 
         # The position sequential would reveal next in every copy, from that copy's own logits.
-        picks_flat = pick_next(self.order, all_logits, view.candidates(all_tokens), mask_id)
+        picks_flat = pick_next(self.order, all_logits, band.candidates(view, all_tokens, all_rows), mask_id)
         picks = torch.where(copy_index >= 0, picks_flat[copy_index.clamp(min=0)], -1)  # [R, W + 1]
-        width = positions.shape[1]
-        agree = (picks[:, :width] == positions) | (torch.arange(width, device=x.device) >= count[:, None])
+        width = slots.shape[1]
+        agree = (picks[:, :width] == slots) | (torch.arange(width, device=x.device) >= count[:, None])
         num_drafts = torch.minimum(count, (~agree).long().argmax(dim=1) + agree.all(dim=1).long() * width)
 
         # Target row c < num_drafts: copy c at s_c; row num_drafts: that copy at its own pick (the bonus).
-        target_positions = torch.cat([positions, positions[:, :1]], dim=1)
-        target_positions[rows, num_drafts] = picks[rows, num_drafts].clamp(min=0)
+        target_slots = torch.cat([slots, slots[:, :1]], dim=1)
+        target_slots[rows, num_drafts] = picks[rows, num_drafts].clamp(min=0)
         has_bonus = picks[rows, num_drafts] >= 0
-        target_logits = forbid_token(all_logits[copy_index.clamp(min=0), target_positions], mask_id)  # [R, W+1, V]
+        target_logits = forbid_token(all_logits[copy_index.clamp(min=0), target_slots], mask_id)  # [R, W+1, V]
         verify = {} if tree is None else {"alternatives": tree.alternatives,
                                           "continuations": tree.continuations(mask_id)}
         outcome = rejection_sample(drafts, window_logits, target_logits, num_drafts, temperature=self.temperature,
                                    has_bonus=has_bonus, noise=Noise(generator=generator), **verify)
-        next_logits = all_logits[copy_index[rows, outcome.num_accepted]]
-        if tree is not None:  # after a taken sibling: its branch's copy with the accepted tokens revealed
-            next_logits = tree.after(outcome, next_logits)
+        if self.source.wants_next:  # the verified copy matching the new state
+            next_logits = all_logits[copy_index[rows, outcome.num_accepted]]
+            if tree is not None:  # after a taken sibling: its branch's copy with the accepted tokens revealed
+                next_logits = tree.after(outcome, next_logits)
+            self.source.observe(view, next_logits, band)
         event = tree_path(drafts, target_logits, outcome, verify.get("continuations"))
-        return self._reveal(view, positions, num_drafts, target_positions, outcome, next_logits, event)
+        return self._reveal(view, band, slots, num_drafts, target_slots, outcome, event)
 
     def structured_round(self, view: View, proposal: tuple[torch.Tensor, bool]) -> tuple[torch.Tensor, dict]:
         """A left-to-right round verified by the model's one-pass ``structured_verify`` instead of copies.
@@ -143,42 +151,41 @@ class FefStepper:
         Exact with respect to the conditionals that pass defines; they equal the sequential chain's only for
         a model trained for it (or a one-layer model), so generate labels the output approximate.
         """
-        draft_logits, _ = proposal
+        draft_logits, _, band = proposal
         generator = bind_rows(self.generator, view.rows)
         x, mask_id = view.x, view.mask_token_id
         rows = torch.arange(x.shape[0], device=x.device)
-        ranked, available = choose_window("left_to_right", draft_logits, view.candidates(x), mask_id, self.window + 1)
+        ranked, available = choose_window("left_to_right", draft_logits, band.candidates(view, x), mask_id,
+                                          self.window + 1)
         width = min(self.window, ranked.shape[1])
-        positions, count = ranked[:, :width], available.clamp(max=width)
+        slots, count = ranked[:, :width], available.clamp(max=width)
         bonus = torch.full_like(count, -1)
         if ranked.shape[1] > width:  # the next position after the window, where the row has one
             bonus = torch.where(available > width, ranked[:, width], bonus)
-        drafts, window_logits = self.source.sample(view, draft_logits, positions, self.temperature, generator)
-        targets = view.structured(x, positions, drafts, count, bonus)
+        drafts, window_logits = self.source.sample(view, draft_logits, slots, self.temperature, generator)
+        positions = band.positions(slots)
+        targets = view.structured(x, positions, drafts, count, band.positions(bonus[:, None])[:, 0])
         targets, state_logits = forbid_token(targets[0], mask_id), targets[1]
         outcome = rejection_sample(drafts, window_logits, targets, count,
                                    temperature=self.temperature, has_bonus=bonus >= 0, noise=Noise(generator=generator))
-        target_positions = torch.cat([positions, positions[:, :1]], dim=1)
-        target_positions[rows, count] = bonus.clamp(min=0)
-        # The state's logits are a valid proposal for the next round (any proposal keeps verification exact).
-        return self._reveal(view, positions, count, target_positions, outcome, state_logits,
-                            {"drafts": drafts, "target_logits": targets})
+        target_slots = torch.cat([slots, slots[:, :1]], dim=1)
+        target_slots[rows, count] = bonus.clamp(min=0)
+        if self.source.wants_next:  # the state's logits: a valid proposal (any proposal keeps verification exact)
+            self.source.observe(view, gather_positions(state_logits, band.at()), band)
+        return self._reveal(view, band, slots, count, target_slots, outcome, {"drafts": drafts, "target_logits": targets})
 
-    def _reveal(self, view: View, positions, num_drafts, target_positions, outcome, next_logits, event: dict):
-        """Write the emitted tokens at their positions, count the round and hand ``next_logits`` [R, Ls, V]
-        (the verified copy matching the new state) to the draft source -> (tokens [R, Ls], event fields);
-        ``event``: the drafts and ``target_logits`` [R, W + 1, V] (what draft j was tested against, then the
-        bonus), along the path verification followed with a draft tree (``tree_path``)."""
+    def _reveal(self, view: View, band: Band, slots, num_drafts, target_slots, outcome, event: dict):
+        """Write the emitted tokens at their positions (``target_slots`` [R, W + 1] of ``band``) and count the
+        round -> (tokens [R, Ls], event fields); ``event``: the drafts and ``target_logits`` [R, W + 1, V] (what
+        draft j was tested against, then the bonus), along the path verification followed with a draft tree
+        (``tree_path``)."""
         self.stats.count_verification(num_drafts, outcome.num_accepted, outcome.num_emitted, outcome.branch)
-        emitted_positions = torch.where(outcome.tokens >= 0, target_positions, -1)  # [R, W + 1], -1: nothing
-        new_x = view.x.clone()
-        hit = emitted_positions >= 0
-        rows = torch.arange(view.x.shape[0], device=view.x.device)
-        new_x[rows[:, None].expand_as(hit)[hit], emitted_positions[hit]] = outcome.tokens[hit]
-        self.source.observe(view, next_logits)
-        revealed = torch.where(emitted_positions >= 0, emitted_positions + view.offset, -1)
-        return new_x, {"sampler": "fef", "window": positions + view.offset, "num_drafts": num_drafts,
-                       "num_accepted": outcome.num_accepted, "revealed": revealed, **event}
+        emitted = band.positions(torch.where(outcome.tokens >= 0, target_slots, -1))  # [R, W + 1], -1: nothing
+        new_x = write_at(view.x, emitted, outcome.tokens, emitted >= 0)
+        revealed = torch.where(emitted >= 0, emitted + view.offset, -1)
+        return new_x, {"sampler": "fef", "window": band.positions(slots) + view.offset,
+                                   "num_drafts": num_drafts, "num_accepted": outcome.num_accepted,
+                                   "revealed": revealed, **event}
 
 
 class _CopyTree:
@@ -229,10 +236,8 @@ class _CopyTree:
         wanted = (i[None, :] > self.slot_depth[:, None]) & (i[None, :] <= count[self.slot_row][:, None])  # [K, W + 1]
         self.copy_slot, self.copy_depth = wanted.nonzero(as_tuple=True)
         rows = self.slot_row[self.copy_slot]
-        branch = x[rows].clone()
         reveal = torch.arange(width, device=x.device)[None, :] < self.copy_depth[:, None]  # depths < i
-        current = branch.gather(1, positions[rows])
-        branch.scatter_(1, positions[rows], torch.where(reveal, self.path[self.copy_slot], current))
+        branch = write_at(x[rows], positions[rows], self.path[self.copy_slot], reveal)
         self.size, self.count = rows.numel(), count
         return torch.cat([copies, branch]), torch.cat([row_of, rows])
 
@@ -291,10 +296,20 @@ def _build_copies(
     c = torch.arange(width + 1, device=x.device)
     wanted = (c[None, :] <= count[:, None]) & (c[None, :] >= int(skip_first))  # [R, W + 1]
     row_of, copy_of = wanted.nonzero(as_tuple=True)
-    copies = x[row_of].clone()
     reveal = torch.arange(width, device=x.device)[None, :] < copy_of[:, None]  # [N, W]
-    current = copies.gather(1, positions[row_of])
-    copies.scatter_(1, positions[row_of], torch.where(reveal, drafts[row_of], current))
+    copies = write_at(x[row_of], positions[row_of], drafts[row_of], reveal)
     index = torch.full(wanted.shape, -1, dtype=torch.long, device=x.device)
     index[row_of, copy_of] = torch.arange(row_of.numel(), device=x.device)
     return copies, index, row_of
+
+
+def write_at(tokens: torch.Tensor, positions: torch.Tensor, values: torch.Tensor, write: torch.Tensor) -> torch.Tensor:
+    """A copy of ``tokens`` [N, L] with ``values`` [N, K] at ``positions`` [N, K] where ``write`` [N, K] holds.
+
+    Unwritten entries go to a spare last column, dropped after: their positions may repeat a written one
+    (window slots past a row's count), which a plain scatter would race with, and a boolean mask would make
+    the shapes data-dependent (a host sync on a GPU)."""
+    length = tokens.shape[1]
+    out = torch.cat([tokens, tokens[:, :1]], dim=1)
+    out.scatter_(1, torch.where(write, positions, length), values)
+    return out[:, :length]

@@ -14,25 +14,30 @@ import torch
 from dllm.models.draft_head import DraftHead
 from dllm.numerics import bind_rows, forbid_token, sample_from_logits
 
+from .canvas import Band
 from .drafters import MarginalDrafts
 
 
 class HeadDrafts(MarginalDrafts):
     """Marginal draft logits from the state call, then drafts from ``head`` over the window."""
 
-    def __init__(self, head: DraftHead):
+    def __init__(self, head: DraftHead, order: str = "left_to_right", window: int = 4):
+        super().__init__(order, window)
         self.head = head
-        self.features: torch.Tensor | None = None  # [R, Ls, D] of the last state call
+        self.features: torch.Tensor | None = None  # [R, K, D] of the last state call, on its band
         self.inputs: tuple | None = None  # the last window's head inputs (``redraft``)
 
-    def logits(self, view) -> tuple[torch.Tensor, bool]:
-        logits, self.features = view.call(view.x, torch.arange(view.x.shape[0], device=view.x.device), hidden=True)
-        return logits, True
+    def logits(self, view) -> tuple[torch.Tensor, bool, Band]:
+        band = self.band(view)
+        logits, self.features = view.call(view.x, torch.arange(view.x.shape[0], device=view.x.device), hidden=True,
+                                          at=band.at())
+        return logits, True, band
 
     @torch.no_grad()
     def sample(self, view, draft_logits: torch.Tensor, positions: torch.Tensor, temperature: float,
                generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """Head drafts at ``positions`` [R, W] -> (tokens [R, W], the logits each was drawn from [R, W, V])."""
+        """Head drafts at ``positions`` [R, W] (slots of the band) -> (tokens [R, W], the logits each was drawn
+        from [R, W, V])."""
         rows = torch.arange(positions.shape[0], device=positions.device)
         features = self.features[rows[:, None], positions]  # [R, W, D]
         base = draft_logits[rows[:, None], positions]  # [R, W, V]

@@ -46,15 +46,16 @@ class _Stepper:
         self.step_index = 0
 
     def logits(self, view: View) -> torch.Tensor:
-        """The model at the view's state -> [R, Ls, V], what the step reveals from."""
-        return view.call(view.x, torch.arange(view.x.shape[0], device=view.x.device))
+        """The model at the view's state, over the active block only -> [R, block, V], what the step reveals from."""
+        return view.call(view.x, torch.arange(view.x.shape[0], device=view.x.device), at=view.block_band().at())
 
     def _propose(self, view: View, logits: torch.Tensor, temperature: float | None = None):
-        """Sample a token and its confidences at every candidate position (only there)."""
+        """Sample a token and its confidences at every candidate position (only there); ``logits`` [R, block, V]
+        cover the active block (``View.block``)."""
         where = view.candidates(view.x).nonzero(as_tuple=True)
         temperature = self.temperature if temperature is None else temperature
-        return where, sample_confidence(forbid_token(logits[where], view.mask_token_id), temperature,
-                                        self._rng(view, where[0]))
+        chosen = logits[where[0], where[1] - view.block[0]]
+        return where, sample_confidence(forbid_token(chosen, view.mask_token_id), temperature, self._rng(view, where[0]))
 
     def _rng(self, view: View, index: torch.Tensor):
         """The generator bound to the batch rows of ``index`` (positions into the view's rows)."""
@@ -84,10 +85,11 @@ class LladaStepper(_Stepper):
         unconditional input; both halves in one batched call)."""
         rows = torch.arange(view.x.shape[0], device=view.x.device)
         if self.cfg_scale <= 0:
-            return view.call(view.x, rows)
+            return view.call(view.x, rows, at=view.block_band().at())
         unconditional = view.x.clone()
         unconditional[:, : view.prompt_length] = view.mask_token_id
-        both = view.call(torch.cat([view.x, unconditional]), torch.cat([rows, rows]))
+        both = view.call(torch.cat([view.x, unconditional]), torch.cat([rows, rows]),
+                         at=view.block_band().at(torch.cat([rows, rows])))
         cond, uncond = both.float().chunk(2)
         return uncond + (self.cfg_scale + 1) * (cond - uncond)
 

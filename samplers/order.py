@@ -13,6 +13,8 @@ import torch
 
 from dllm.numerics import forbid_token
 
+from .canvas import Band, View
+
 ORDERS = ("left_to_right", "confidence")
 
 
@@ -31,9 +33,9 @@ def position_scores(order: str, logits: torch.Tensor, candidates: torch.Tensor, 
     if order == "left_to_right":
         positions = torch.arange(candidates.shape[1], device=candidates.device, dtype=torch.float32)
         return torch.where(candidates, -positions, scores)
-    where = candidates.nonzero(as_tuple=True)
-    scores[where] = top1_probability(forbid_token(logits[where], mask_token_id))
-    return scores
+    # Every position's score, then the candidates': no data-dependent shape (a host sync on a GPU); logits
+    # cover a round's band (a block), so the extra positions cost little.
+    return torch.where(candidates, top1_probability(forbid_token(logits, mask_token_id)), scores)
 
 
 def pick_next(order: str, logits: torch.Tensor, candidates: torch.Tensor, mask_token_id: int) -> torch.Tensor:
@@ -56,3 +58,14 @@ def choose_window(
     count = candidates.sum(dim=1).clamp(max=size)
     valid = torch.arange(ranked.shape[1], device=ranked.device) < count[:, None]
     return torch.where(valid, ranked, torch.zeros_like(ranked)), count
+
+
+def read_band(order: str, view: View, width: int, ahead: bool = False) -> Band:
+    """Where a round of an exact sampler reads logits: left to right, ``width`` positions from each row's first
+    masked one (the window, the bonus after it, what a stale draft reads next); in any other order the whole
+    active block (the choice of the next position reads every candidate), and with ``ahead`` the next block."""
+    if order == "left_to_right":
+        first = view.candidates(view.x).int().argmax(dim=1)  # the first True; rows in a view have one
+        return Band(first, width, view.x.shape[1])
+    start, stop = view.block
+    return view.block_band(stop - start if ahead else 0)

@@ -10,8 +10,8 @@ from dllm.numerics import bind_rows, forbid_token, sample_from_logits
 from dllm.protocols import capabilities, is_diffusion_model
 from dllm.stats import DecodeStats
 
-from .canvas import Canvas, View, block_candidates
-from .order import pick_next
+from .canvas import Band, Canvas, View, block_candidates
+from .order import pick_next, read_band
 
 
 @dataclass
@@ -32,14 +32,18 @@ class SequentialStepper:
     def begin_block(self, block: int) -> None:
         pass
 
-    def logits(self, view: View) -> torch.Tensor:
-        """The model at the view's state -> [R, Ls, V]."""
-        return view.call(view.x, torch.arange(view.x.shape[0], device=view.x.device))
+    def logits(self, view: View) -> tuple[torch.Tensor, Band]:
+        """The model at the view's state where the step reads it -> (logits [R, K, V], the band they cover): the
+        next position left to right, the active block otherwise."""
+        band = read_band(self.order, view, 1)
+        return view.call(view.x, torch.arange(view.x.shape[0], device=view.x.device), at=band.at()), band
 
-    def step(self, view: View, logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    def step(self, view: View, logits: tuple[torch.Tensor, Band]) -> tuple[torch.Tensor, dict]:
+        logits, band = logits
         which = torch.arange(view.x.shape[0], device=view.x.device)
-        position = pick_next(self.order, logits, view.candidates(view.x), view.mask_token_id)  # [R]
-        chosen = forbid_token(logits[which, position], view.mask_token_id)  # [R, V]
+        slot = pick_next(self.order, logits, band.candidates(view, view.x), view.mask_token_id)  # [R]
+        chosen = forbid_token(logits[which, slot], view.mask_token_id)  # [R, V]
+        position = band.positions(slot[:, None])[:, 0]
         x = view.x.clone()
         x[which, position] = sample_from_logits(chosen, self.temperature, bind_rows(self.generator, view.rows))
         self.stats.count_round(torch.ones_like(position))

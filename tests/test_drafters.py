@@ -83,37 +83,47 @@ def test_a_new_drafter_keeps_ar_spec_exact_only_with_its_own_logits(honest):
 
 
 class FakeView:
-    """The parts of samplers.canvas.View a draft source reads."""
+    """The parts of samplers.canvas.View a draft source reads: every position masked from ``first`` on."""
 
-    def __init__(self, offset, active, width=6, rows=(0, 1)):
-        self.offset, self.rows, self.calls = offset, torch.tensor(rows), 0
+    def __init__(self, offset, active, width=6, rows=(0, 1), first=0):
+        self.offset, self.rows, self.calls, self.batch = offset, torch.tensor(rows), 0, 2
         self.x = torch.zeros((len(rows), width), dtype=torch.long)
+        self.x[:, first:] = MASK
         self.region = torch.zeros(width, dtype=torch.bool)
         self.region[active] = True
+        self.block = (active.start, active.stop)
 
-    def call(self, x, rows):
+    def candidates(self, tokens):
+        return (tokens == MASK) & self.region
+
+    def call(self, x, rows, at):
         self.calls += 1
-        return torch.full((*x.shape, 3), float(self.calls))
+        return torch.full((*at.shape, 3), float(self.calls))
 
 
-def test_stale_drafts_reuse_the_verified_copy_and_call_afresh_when_it_does_not_cover_the_block():
+MASK = 9
+
+
+def test_stale_drafts_reuse_the_verified_copy_on_the_moved_band():
+    """Stale logits are stored on the round's band (canvas positions from each row's first masked one) and read
+    back on the next round's band, shifted by how far it moved; only a row's first round calls the model."""
     from dllm.samplers.drafters import MarginalDrafts, StaleDrafts
 
-    source, view = StaleDrafts(), FakeView(offset=2, active=slice(0, 3))
-    logits, is_state = source.logits(view)
-    assert is_state and view.calls == 1  # nothing stale yet: a call on the state
+    source, view = StaleDrafts(window=2), FakeView(offset=2, active=slice(0, 3))  # band: 2W + 2 = 6 positions
+    logits, is_state, band = source.logits(view)
+    assert is_state and view.calls == 1 and band.width == 6  # nothing stale yet: a call on the state
     verified = torch.arange(2 * 6 * 3, dtype=torch.float).reshape(2, 6, 3)
-    source.observe(view, verified)
-    logits, is_state = source.logits(view)
+    source.observe(view, verified, band)
+    logits, is_state, _ = source.logits(view)
     assert not is_state and view.calls == 1 and torch.equal(logits, verified)
-    shifted = FakeView(offset=5, active=slice(0, 3))  # three columns on: the stale logits cover 3 of 6
-    logits, is_state = source.logits(shifted)
+    shifted = FakeView(offset=5, active=slice(0, 3))  # the next block, three canvas positions on
+    logits, is_state, _ = source.logits(shifted)
     assert not is_state and torch.equal(logits[:, :3], verified[:, 3:]) and shifted.calls == 0
-    beyond = FakeView(offset=5, active=slice(0, 4))  # the active block reaches past what was scored
-    assert source.logits(beyond)[1] and beyond.calls == 1
-    marginal, again = MarginalDrafts(), FakeView(offset=2, active=slice(0, 3))
-    marginal.observe(again, verified)
-    assert marginal.logits(again)[1] and again.calls == 1  # marginal drafts always call
+    moved = FakeView(offset=2, active=slice(0, 3), first=2)  # two tokens revealed: the band starts two on
+    logits, _, band = source.logits(moved)
+    assert band.start.tolist() == [2, 2] and torch.equal(logits[:, :4], verified[:, 2:]) and moved.calls == 0
+    marginal, again = MarginalDrafts(window=2), FakeView(offset=2, active=slice(0, 3))
+    assert not marginal.wants_next and marginal.logits(again)[1] and again.calls == 1  # marginal drafts always call
 
 
 def test_generate_takes_a_drafter_object_for_ar_spec():

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from dllm.models.cache import KVCache
 from dllm.numerics import positions_from_mask
-from dllm.protocols import Capabilities
+from dllm.protocols import Capabilities, gather_positions
 
 LAYOUTS = ("causal", "bidirectional", "block_causal")
 CONFIG_NAME = "config.json"
@@ -482,7 +482,7 @@ class TransformerLM(nn.Module):
                             context_length=self.context_length,
                             block_size=self.config.block_size, cache=True, cache_exact=self.cache_exact,
                             cache_crop=True, cache_drop=True, commits_prefix=True, structured_verify=True,
-                            hidden_states=True, tree_attention=self.layout == "causal")
+                            hidden_states=True, tree_attention=self.layout == "causal", logits_at=True)
 
     @property
     def cache_exact(self) -> bool:
@@ -506,10 +506,12 @@ class TransformerLM(nn.Module):
         commit: int = 0,
         return_hidden: bool = False,
         tree_mask: Tensor | None = None,  # [N, n, n] bool: which new tokens each new token sees (as ``forward``)
+        logits_at: Tensor | None = None,  # [N, K] input positions whose logits are wanted (as ``forward``)
     ) -> Tensor | tuple[Tensor, Tensor]:
         """The protocol's cached call (dllm.protocols): new tokens against the cached prefix.  # [N, n, V]
 
         ``return_hidden``: also return the features the output projection reads (as ``forward``).
+        ``logits_at``: logits (and features) only at those input positions, in the model's dtype (as ``forward``).
         ``tree_mask`` with ``position_ids``: a draft tree in one call (``Capabilities.tree_attention``).
 
         ``commit`` (with ``rows``): the first ``commit`` tokens of every input are the same for all inputs
@@ -525,7 +527,7 @@ class TransformerLM(nn.Module):
         new_mask = None if attention_mask is None else attention_mask[:, attention_mask.shape[1] - input_ids.shape[1]:]
         out = self.forward(input_ids, attention_mask=new_mask, position_ids=position_ids, cache=cache,
                            use_cache=append or commit > 0, block_offset=block_offset, return_hidden=return_hidden,
-                           tree_mask=tree_mask)
+                           tree_mask=tree_mask, logits_at=logits_at)
         if commit and rows is not None:
             _commit_rows(main, cache, rows, commit)
         return out
@@ -540,6 +542,7 @@ class TransformerLM(nn.Module):
         block_offset: int | Tensor = 0,  # int or [B]; block_causal only
         return_hidden: bool = False,
         tree_mask: Tensor | None = None,  # [B, L, L] bool
+        logits_at: Tensor | None = None,  # [B, K] long
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Logits at every input position, attending to ``cache`` (if given) then the inputs.  # [B, L, V]
 
@@ -555,6 +558,9 @@ class TransformerLM(nn.Module):
         tree_mask: which inputs each input may attend to (True = attend), replacing the layout among the
         inputs while cached keys keep it, with a 2-D ``attention_mask`` still marking padding: a draft tree
         (siblings at one position) verified in one call; pass the tree's ``position_ids``.
+        logits_at: input positions [B, K] (indices into L) whose logits are wanted: the output layer runs on
+        those positions' features only and the logits [B, K, V] stay in the model's dtype (at a real vocabulary
+        the [B, L, V] float32 tensor of every position is what fills memory; samplers read a few positions).
         """
         if use_cache and cache is None:
             raise ValueError("use_cache=True needs a cache to append to: pass cache=model.new_cache()")
@@ -572,10 +578,9 @@ class TransformerLM(nn.Module):
         h = self._hidden(input_ids, position_ids, query_valid, explicit, cache, use_cache, block_offset, tree_mask)
         if self.config.shift_logits:
             h = _previous_states(h, position_ids, query_valid, cache)
-        if return_hidden:
-            features = self.norm(h)
-            return self._project(features), features
-        return self.head(h)
+        if logits_at is not None:
+            h = gather_positions(h, logits_at)
+        return self.head(h, hidden=return_hidden, full_precision=logits_at is None)
 
     def _hidden(self, input_ids, position_ids, query_valid, explicit, cache, use_cache, block_offset,
                 tree_mask=None) -> Tensor:
@@ -642,8 +647,12 @@ class TransformerLM(nn.Module):
             state = _previous_states(state, state_pos, valid, cache)
         return targets, self.head(state)
 
-    def _check_positions(self, position_ids: Tensor) -> None:
-        """Positions must index the rotary tables (a clear error instead of a device-side assert)."""
+    def _check_positions(self, position_ids: Tensor, bound: int | None = None) -> None:
+        """Positions must index the rotary tables (a clear error instead of a device-side assert). ``bound``:
+        a host-known upper bound of the positions (cached keys + inputs); below the table's length nothing
+        is read from the device (reading the maximum would stall a GPU's pipeline every call)."""
+        if bound is not None and bound <= self.config.max_seq_len:
+            return
         if position_ids.numel() and int(position_ids.max()) >= self.config.max_seq_len:
             raise ValueError(f"position {int(position_ids.max())} >= max_seq_len ({self.config.max_seq_len})")
 
@@ -676,7 +685,8 @@ class TransformerLM(nn.Module):
 
         mask: [B, 1, L, cached + L] bool (True = attend) over ``cache``'s keys then the inputs'. Other
         attention layouts over these weights call this (``dllm.models.two_stream``)."""
-        self._check_positions(position_ids)
+        # Default positions never exceed cached keys + inputs; explicit ones may (then they are read once).
+        self._check_positions(position_ids, (cache.length if cache is not None else 0) + position_ids.shape[1])
         cos, sin = self.rotary(position_ids)
         h = self.tok_embeddings(input_ids)
         new_kv = []
@@ -686,18 +696,16 @@ class TransformerLM(nn.Module):
             new_kv.append((k, v))
         return h, new_kv
 
-    def head(self, h: Tensor, hidden: bool = False) -> Tensor | tuple[Tensor, Tensor]:
-        """Logits [B, L, V] float32 of last-layer states ``h`` (final norm, output projection, the mask token
-        forbidden outside the causal layout); ``hidden``: ``(logits, final-normed features)``."""
+    def head(self, h: Tensor, hidden: bool = False, full_precision: bool = True) -> Tensor | tuple[Tensor, Tensor]:
+        """Logits [B, L, V] of last-layer states ``h`` (final norm, output projection, the mask token forbidden
+        outside the causal layout), float32 unless ``full_precision`` is False (then the model's dtype);
+        ``hidden``: ``(logits, final-normed features)``."""
         features = self.norm(h)
-        return (self._project(features), features) if hidden else self._project(features)
-
-    def _project(self, features: Tensor) -> Tensor:
-        """Output projection of final-normed features, as float32 (mask token forbidden).  # [B, L, V]"""
-        logits = self.output(features).float()
+        logits = self.output(features)
+        logits = logits.float() if full_precision else logits
         if self.layout != "causal":
             logits[..., self.mask_token_id] = float("-inf")
-        return logits
+        return (logits, features) if hidden else logits
 
     def keep_layers(self, indices) -> None:
         """Keep only the layers at ``indices`` (increasing), in place: a shallower model from a trained one

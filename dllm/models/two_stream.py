@@ -114,7 +114,7 @@ class TwoStreamLM(nn.Module):
         """Padding, features (draft heads) and the reveal-order cache with its one-pass exact verifier."""
         return Capabilities(accepts_attention_mask=True, context_length=self.config.max_seq_len,
                             block_size=self.block_size, reveal_order_cache=True, one_pass_exact=True,
-                            hidden_states=True, sampler_defaults=tuple(
+                            hidden_states=True, logits_at=True, sampler_defaults=tuple(
                                 (name, option, value, tuple(values.get("when", {}).items()))
                                 for name, values in self.sampler_defaults.items()
                                 for option, value in values.items() if option != "when"))
@@ -165,19 +165,26 @@ class TwoStreamLM(nn.Module):
         return self.base.head(h[:, width:], hidden=hidden)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, block_offset=None,
-                return_hidden: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+                return_hidden: bool = False, logits_at: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """The DiffusionModel call: revealed tokens in position order, a query at every position.  # [B, L, V]
 
         attention_mask: [B, L] 0/1 left padding (positions then start at each row's first real token).
         block_offset: accepted and unused (no block mask here: blocks only steer the samplers' order).
         return_hidden: ``(logits, features)`` as ``TransformerLM.forward``.
+        logits_at: [B, K] positions: queries there only (``dllm.protocols``), logits in the model's dtype.
         """
         real = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         positions = positions_from_mask(real)
         revealed = real & (input_ids != self.mask_token_id)
         # Query at i sees the revealed tokens at positions < i and > i alike: all of them.
-        sees = torch.full_like(input_ids, input_ids.shape[1])
-        return self.streams(input_ids, positions, revealed, positions, sees, hidden=return_hidden)
+        queries = positions if logits_at is None else positions.gather(1, logits_at)
+        sees = torch.full_like(queries, input_ids.shape[1])
+        out = self.streams(input_ids, positions, revealed, queries, sees, hidden=return_hidden)
+        if logits_at is None:
+            return out
+        # streams() gives float32 query logits; the protocol's logits_at answer is in the model's dtype
+        dtype = self.base.output.weight.dtype
+        return (out[0].to(dtype), out[1]) if return_hidden else out.to(dtype)
 
     def save_pretrained(self, folder: str | Path) -> None:
         """The base's files plus the two-stream marker."""
