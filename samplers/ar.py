@@ -79,12 +79,13 @@ def ar(
     kv = model.new_cache() if _use_cache(cache, model) else None
     for t in range(gen_length):
         end = prompt_len + t
+        start = 0 if kv is None else kv.length
+        last = torch.full((len(rows), 1), end - start - 1, device=prompt.device)  # the one position read
         if kv is None:
-            logits = caller(seq[rows, :end], rows, served=len(rows))[:, -1]
+            logits = caller(seq[rows, :end], rows, served=len(rows), at=last)[:, -1]
         else:
-            start = kv.length
             logits = caller.cached(seq[rows, start:end], kv, rows, served=len(rows), keys=slice(0, end),
-                                   append=True)[:, -1]
+                                   append=True, at=last)[:, -1]
         token = sample_from_logits(logits, temperature, bind_rows(generator, rows))
         seq[rows, end] = token
         stats.count_round(torch.ones_like(token))
@@ -242,15 +243,21 @@ def _target_rows(caller: Caller, kv, seq, rows, length, drafts, hidden=False):
     width = drafts.shape[1]
     extended = append_at_lengths(seq, length, drafts)[:, : min(int(length.max()) + width, seq.shape[1] - 1)]
     start = 0 if kv is None else kv.length
-    extra = {"return_hidden": True} if hidden else {}
+    at = length[:, None] - 1 - start + torch.arange(width + 1, device=seq.device)  # position t predicts t + 1
+    at = at.clamp(max=extended.shape[1] - start - 1)
+    if hidden:  # a drafter reading the target's features gets every fed position's, so logits come in full
+        extra = {"return_hidden": True}
+    else:  # logits at the K + 1 positions read only
+        extra = {"at": at}
     if kv is None:
         out = caller(extended, rows, served=len(rows), **extra)
     else:
         out = caller.cached(extended[:, start:], kv, rows, served=len(rows), keys=slice(0, extended.shape[1]),
                             append=True, **extra)
-    at = length[:, None] - 1 - start + torch.arange(width + 1, device=seq.device)  # position t predicts t + 1
-    index = (torch.arange(seq.shape[0], device=seq.device)[:, None], at.clamp(max=extended.shape[1] - start - 1))
-    return (out[0][index], (out[1], start, None)) if hidden else (out[index], None)
+    if not hidden:
+        return out, None
+    index = (torch.arange(seq.shape[0], device=seq.device)[:, None], at)
+    return out[0][index], (out[1], start, None)
 
 
 def _tree_rows(caller: Caller, kv, seq, rows, length, drafts, alternatives, hidden=False,

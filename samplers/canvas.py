@@ -117,18 +117,25 @@ class Caller:
         context = cache.length if cache is not None else 0
         self.stats.record(Call(input_ids.shape[0], tokens or input_ids.shape[1], context, self.draft, served))
 
-    def __call__(self, input_ids: torch.Tensor, rows: torch.Tensor, served: int, **extra) -> torch.Tensor:
-        """Plain call on full-length inputs [N, L] of canvas rows ``rows`` [N], serving ``served`` rows."""
+    def __call__(self, input_ids: torch.Tensor, rows: torch.Tensor, served: int, at: torch.Tensor | None = None,
+                 **extra) -> torch.Tensor:
+        """Plain call on full-length inputs [N, L] of canvas rows ``rows`` [N], serving ``served`` rows; ``at``
+        [N, K]: float32 logits there only (as ``View.call``)."""
         self.count(input_ids, served)
-        out = self.model(input_ids, **self.kwargs(rows, slice(0, input_ids.shape[1])), **extra)
-        return check_logits(out, input_ids)
+        native = capabilities(self.model).logits_at
+        out = self.model(input_ids, **self.kwargs(rows, slice(0, input_ids.shape[1])), **extra, **_ask(at, 0, native))
+        return _settle(out, input_ids, at, 0, native)
 
-    def cached(self, input_ids, cache, batch_rows, served: int, keys: slice, **extra) -> torch.Tensor:
+    def cached(self, input_ids, cache, batch_rows, served: int, keys: slice, at: torch.Tensor | None = None,
+               **extra) -> torch.Tensor:
         """``forward_cached`` on inputs [N, n] of canvas rows ``batch_rows`` [N]; ``keys`` are the canvas
-        positions of cached + new keys; ``extra`` goes to forward_cached (rows=, append=)."""
+        positions of cached + new keys; ``at`` [N, K] input positions: float32 logits there only; ``extra`` goes
+        to forward_cached (rows=, append=)."""
         self.count(input_ids, served, cache)
-        out = self.model.forward_cached(input_ids, cache, **self.kwargs(batch_rows, keys), **extra)
-        return check_logits(out, input_ids)
+        native = capabilities(self.model).logits_at
+        out = self.model.forward_cached(input_ids, cache, **self.kwargs(batch_rows, keys), **extra,
+                                        **_ask(at, 0, native))
+        return _settle(out, input_ids, at, 0, native)
 
 
 def check_logits(out, input_ids: torch.Tensor, at: torch.Tensor | None = None):

@@ -277,17 +277,17 @@ def diffusion_draft_logits(drafter, caller, seq, rows, length, width, features=F
     """Marginals of a bidirectional diffusion drafter at the next ``width`` positions, one call -> [R, K, V]
     (``features``: and the drafter's features there [R, K, D], for a repair head)."""
     size = seq.shape[1] - 1  # up to position total - 2 (module docstring): fixed, so drafts ignore the batch
-    out = caller(draft_canvas(seq, length, size, drafter.mask_token_id), rows, served=len(rows),
-                 **({"return_hidden": True} if features else {}))
     at = (length[:, None] + torch.arange(width, device=seq.device)).clamp(max=size - 1)
-    return _at_drafts(out, torch.arange(seq.shape[0], device=seq.device)[:, None], at, drafter.mask_token_id)
+    out = caller(draft_canvas(seq, length, size, drafter.mask_token_id), rows, served=len(rows), at=at,
+                 **({"return_hidden": True} if features else {}))
+    return _at_drafts(out, drafter.mask_token_id)
 
 
-def _at_drafts(out, index, at, mask_id):
-    """Logits (mask forbidden) at the draft positions, and the features there when ``out`` has them."""
+def _at_drafts(out, mask_id):
+    """Logits asked at the draft positions, mask forbidden, and the features there when ``out`` has them."""
     if isinstance(out, tuple):
-        return forbid_token(out[0][index, at], mask_id), out[1][index, at]
-    return forbid_token(out[index, at], mask_id)
+        return forbid_token(out[0], mask_id), out[1]
+    return forbid_token(out, mask_id)
 
 def block_draft_logits(drafter, caller, seq, rows, length, width, prompt_len, kv, features=False):
     """Marginals of a block-causal drafter at the next ``width`` positions -> [R, K, V].
@@ -311,15 +311,15 @@ def block_draft_logits(drafter, caller, seq, rows, length, width, prompt_len, kv
             -1, torch.tensor([drafter.mask_token_id], device=seq.device), float("-inf"))
         return (logits, logits.new_zeros((*logits.shape[:2], drafter.config.dim))) if features else logits
     hidden = {"return_hidden": True} if features else {}
+    at = (length[:, None] - start + torch.arange(width, device=seq.device)).clamp(max=size - start - 1)
     if kv is None:
-        logits = caller(canvas, rows, served=len(rows), block_offset=offset, **hidden)
+        logits = caller(canvas, rows, served=len(rows), block_offset=offset, at=at, **hidden)
     else:
         logits = caller.cached(canvas[:, start:], kv, rows, served=len(rows), keys=slice(0, size), append=True,
-                               block_offset=offset, **hidden)
+                               block_offset=offset, at=at, **hidden)
         # Blocks before min(length)'s block hold final tokens in every row and never see later blocks.
         kv.crop(prompt_len + (int(length.min()) - prompt_len) // block * block)
-    at = (length[:, None] - start + torch.arange(width, device=seq.device)).clamp(max=size - start - 1)
-    return _at_drafts(logits, torch.arange(seq.shape[0], device=seq.device)[:, None], at, drafter.mask_token_id)
+    return _at_drafts(logits, drafter.mask_token_id)
 
 def causal_drafts(caller, seq, rows, length, width, temperature, generator, kv=None):
     """``width`` sequential draft calls of a causal drafter -> (drafts [R, K], their logits [R, K, V]).
@@ -328,7 +328,6 @@ def causal_drafts(caller, seq, rows, length, width, temperature, generator, kv=N
     tokens for every row (a longer row's entries there are its own tokens or earlier drafts), so a batch
     of equal lengths feeds one token per call.
     """
-    index = torch.arange(seq.shape[0], device=seq.device)
     drafts = torch.zeros((seq.shape[0], width), dtype=torch.long, device=seq.device)
     shortest, limit = int(length.min()), seq.shape[1] - 1  # inputs stop at position total - 2
     steps = []
@@ -340,12 +339,13 @@ def causal_drafts(caller, seq, rows, length, width, temperature, generator, kv=N
             # same noise whatever else is in the batch (per-row generators stay batch-invariant).
             logits = steps[-1]
         elif kv is None:
-            logits = caller(extended, rows, served=len(rows))[index, at.clamp(max=extended.shape[1] - 1)]
+            logits = caller(extended, rows, served=len(rows), at=at.clamp(max=extended.shape[1] - 1)[:, None])[:, 0]
         else:
             start = min(kv.length, shortest + j - 1)
             kv.crop(start)
+            read = (at - start).clamp(max=extended.shape[1] - start - 1)[:, None]
             logits = caller.cached(extended[:, start:], kv, rows, served=len(rows), keys=slice(0, extended.shape[1]),
-                                   append=True)[index, (at - start).clamp(max=extended.shape[1] - start - 1)]
+                                   append=True, at=read)[:, 0]
         drafts[:, j] = sample_from_logits(logits, temperature, bind_rows(generator, rows))
         steps.append(logits)
     return drafts, torch.stack(steps, dim=1)

@@ -701,11 +701,17 @@ class TransformerLM(nn.Module):
         outside the causal layout), float32 unless ``full_precision`` is False (then the model's dtype);
         ``hidden``: ``(logits, final-normed features)``."""
         features = self.norm(h)
+        logits = self._project(features, full_precision)
+        return (logits, features) if hidden else logits
+
+    def _project(self, features: Tensor, full_precision: bool = True) -> Tensor:
+        """Output projection of final-normed features, float32 unless ``full_precision`` is False (mask token
+        forbidden).  # [B, L, V]"""
         logits = self.output(features)
         logits = logits.float() if full_precision else logits
         if self.layout != "causal":
             logits[..., self.mask_token_id] = float("-inf")
-        return (logits, features) if hidden else logits
+        return logits
 
     def keep_layers(self, indices) -> None:
         """Keep only the layers at ``indices`` (increasing), in place: a shallower model from a trained one
@@ -730,14 +736,10 @@ class TransformerLM(nn.Module):
     def from_pretrained(
         cls, folder: str | Path, device: str | torch.device | None = None, dtype: torch.dtype | None = None
     ) -> TransformerLM:
-        """Load a model saved by ``save_pretrained``; dtype None keeps the saved dtype."""
-        folder = Path(folder)
-        config = TransformerConfig.from_dict(json.loads((folder / CONFIG_NAME).read_text()))
-        state = load_file(str(folder / WEIGHTS_NAME))
-        model = cls(config).to(dtype=dtype or next(iter(state.values())).dtype)
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        allowed_missing = ["output.weight"] if config.tie_embeddings else []
-        if unexpected or sorted(missing) != allowed_missing:
-            raise ValueError(f"{folder / WEIGHTS_NAME} does not match its config: "
-                             f"missing {missing}, unexpected {unexpected}")
-        return model.to(device=device).eval()
+        """Load a model saved by ``save_pretrained``; dtype None keeps the saved dtype. Built on the meta device and
+        filled tensor by tensor from the memory-mapped file (``dllm.models.checkpoint.load_saved``), so loading peaks
+        near the weights' size, not at a random-initialised model plus the whole state dict."""
+        from dllm.models.checkpoint import load_saved
+
+        config = TransformerConfig.from_dict(json.loads((Path(folder) / CONFIG_NAME).read_text()))
+        return load_saved(lambda: cls(config), folder, dtype=dtype, device=device).eval()
