@@ -172,7 +172,8 @@ class FefStepper:
         target_slots[rows, count] = bonus.clamp(min=0)
         if self.source.wants_next:  # the state's logits: a valid proposal (any proposal keeps verification exact)
             self.source.observe(view, gather_positions(state_logits, band.at()), band)
-        return self._reveal(view, band, slots, count, target_slots, outcome, {"drafts": drafts, "target_logits": targets})
+        event = {"drafts": drafts, "target_logits": targets}
+        return self._reveal(view, band, slots, count, target_slots, outcome, event)
 
     def _reveal(self, view: View, band: Band, slots, num_drafts, target_slots, outcome, event: dict):
         """Write the emitted tokens at their positions (``target_slots`` [R, W + 1] of ``band``) and count the

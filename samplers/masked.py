@@ -54,8 +54,8 @@ class _Stepper:
         cover the active block (``View.block``)."""
         where = view.candidates(view.x).nonzero(as_tuple=True)
         temperature = self.temperature if temperature is None else temperature
-        chosen = logits[where[0], where[1] - view.block[0]]
-        return where, sample_confidence(forbid_token(chosen, view.mask_token_id), temperature, self._rng(view, where[0]))
+        chosen = forbid_token(logits[where[0], where[1] - view.block[0]], view.mask_token_id)
+        return where, sample_confidence(chosen, temperature, self._rng(view, where[0]))
 
     def _rng(self, view: View, index: torch.Tensor):
         """The generator bound to the batch rows of ``index`` (positions into the view's rows)."""
