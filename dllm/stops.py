@@ -10,6 +10,7 @@ Stop ids are a tuple of ints (``None``: rows never stop); ``resolve`` turns what
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -64,7 +65,14 @@ def fill_token(stop_ids: StopIds, default: int = 0) -> int:
 
 def is_stop(tokens: torch.Tensor, stop_ids: Sequence[int]) -> torch.Tensor:
     """Which entries of ``tokens`` are stop tokens -> bool, same shape."""
-    return torch.isin(tokens, torch.tensor(list(stop_ids), dtype=tokens.dtype, device=tokens.device))
+    return torch.isin(tokens, _stop_tensor(tuple(stop_ids), tokens.dtype, tokens.device))
+
+
+@functools.lru_cache(maxsize=64)
+def _stop_tensor(stop_ids: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The stop ids as a tensor on ``device``, built once: a host-to-device copy every step would make the host
+    wait on a GPU (samplers check for stops after each round). Only read (``isin``), never written."""
+    return torch.tensor(stop_ids, dtype=dtype, device=device)
 
 
 def first_stop(answers: torch.Tensor, stop_ids: StopIds) -> torch.Tensor:

@@ -61,9 +61,19 @@ class Canvas:
 
     def rows_in_block(self, block: int) -> torch.Tensor:
         """Unfinished rows with masked positions left in ``block`` -> [R]."""
+        return self.left_in_block(block)[0]
+
+    def left_in_block(self, block: int) -> tuple[torch.Tensor, list[int]]:
+        """Unfinished rows with masked positions left in ``block`` [R], and how many each has left (host ints).
+
+        The step's one read of the device (a host sync on a GPU): the loop must know whether to go on, and the
+        counts it reads along give every later shape of the step (a window's copies) without another read."""
         start, end = self.span(block)
-        pending = (self.x[:, start:end] == self.mask_token_id).any(dim=1) & ~self.finished
-        return pending.nonzero().squeeze(-1)
+        left = (self.x[:, start:end] == self.mask_token_id).sum(dim=1) * ~self.finished
+        counts = left.tolist()
+        pending = [count for count in counts if count]
+        rows = torch.argsort((left == 0).int(), stable=True)[: len(pending)]  # the pending rows, in order
+        return rows, pending
 
     def stop_at_eos(self, rows: torch.Tensor) -> None:
         """Finish rows whose first revealed stop token has no mask before it, filling what follows it
@@ -194,6 +204,7 @@ class View:
     mask_token_id: int
     session: Session  # the one call path: every model call of a step goes through it
     block: tuple[int, int]  # the active block's view positions [start, stop) (``region``, known on the host)
+    masked: list[int] | None = None  # masked positions left in the active block per view row (host ints)
     call: Callable[..., torch.Tensor] = field(init=False, repr=False)
     structured: Callable[..., tuple] = field(init=False, repr=False)
 
@@ -262,7 +273,7 @@ class Session(Protocol):
 
     def begin_block(self, block: int) -> None: ...
 
-    def view(self, rows: torch.Tensor) -> View: ...
+    def view(self, rows: torch.Tensor, masked: list[int] | None = None) -> View: ...
 
     def logits(self, tokens: torch.Tensor, which: torch.Tensor, hidden: bool = False, *, rows: torch.Tensor,
                at: torch.Tensor | None = None):
@@ -286,13 +297,14 @@ class _Session:
     def begin_block(self, block: int) -> None:
         self.block = block
 
-    def _view(self, rows: torch.Tensor, start: int, stop: int, active: int, prompt_length: int = 0) -> View:
+    def _view(self, rows: torch.Tensor, start: int, stop: int, active: int, prompt_length: int = 0,
+              masked: list[int] | None = None) -> View:
         """The view of canvas positions [start, stop) of ``rows``; the first ``active`` of them are the block."""
         first = self.canvas.span(self.block)[0] - start  # the block's first view position
         region = torch.arange(stop - start, device=rows.device) < active
         region[:first] = False
         return View(self.canvas.x[rows, start:stop], region, rows, start, prompt_length, self.canvas.mask_token_id,
-                    self, (first, active))
+                    self, (first, active), masked)
 
     def structured(self, tokens, *args, rows):
         raise ValueError("the structured verifier needs an exact view: cache='none' or 'block', not an "
@@ -302,9 +314,9 @@ class _Session:
 class FullSession(_Session):
     """Every call sees the whole sequence."""
 
-    def view(self, rows: torch.Tensor) -> View:
+    def view(self, rows: torch.Tensor, masked: list[int] | None = None) -> View:
         start, end = self.canvas.span(self.block)
-        return self._view(rows, 0, self.canvas.x.shape[1], end, self.canvas.prompt_length)
+        return self._view(rows, 0, self.canvas.x.shape[1], end, self.canvas.prompt_length, masked)
 
     def logits(self, tokens: torch.Tensor, which: torch.Tensor, hidden: bool = False, *, rows: torch.Tensor,
                at: torch.Tensor | None = None):
@@ -359,9 +371,9 @@ class BlockCacheSession(_Session):
         start, end = self.canvas.span(self.block)
         return start, end, min(end + self.canvas.block_length, self.canvas.x.shape[1]) if self.lookahead else end
 
-    def view(self, rows: torch.Tensor) -> View:
+    def view(self, rows: torch.Tensor, masked: list[int] | None = None) -> View:
         start, end, stop = self._span()
-        return self._view(rows, start, stop, end - start)
+        return self._view(rows, start, stop, end - start, masked=masked)
 
     def logits(self, tokens: torch.Tensor, which: torch.Tensor, hidden: bool = False, *, rows: torch.Tensor,
                at: torch.Tensor | None = None):
@@ -406,9 +418,9 @@ class PrefixCacheSession(_Session):
         check_logits(self.caller.model.forward_cached(x, cache, append=True, **kwargs), x)
         return cache
 
-    def view(self, rows: torch.Tensor) -> View:
+    def view(self, rows: torch.Tensor, masked: list[int] | None = None) -> View:
         start, end = self.canvas.span(self.block)
-        return self._view(rows, start, self.canvas.x.shape[1], end - start)
+        return self._view(rows, start, self.canvas.x.shape[1], end - start, masked=masked)
 
     def logits(self, tokens: torch.Tensor, which: torch.Tensor, hidden: bool = False, *, rows: torch.Tensor,
                at: torch.Tensor | None = None):
@@ -433,9 +445,9 @@ class DualCacheSession(PrefixCacheSession):
         self.block = block
         self.cache = self._full_cache().drop(*self.canvas.span(block))
 
-    def view(self, rows: torch.Tensor) -> View:
+    def view(self, rows: torch.Tensor, masked: list[int] | None = None) -> View:
         start, end = self.canvas.span(self.block)
-        return self._view(rows, start, end, end - start)
+        return self._view(rows, start, end, end - start, masked=masked)
 
     def _place(self, rows: torch.Tensor) -> dict:
         """The active block's position ids: the cache holds keys on both sides of it."""

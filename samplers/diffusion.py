@@ -42,8 +42,9 @@ def run(
     for block in range(canvas.num_blocks):
         session.begin_block(block)
         stepper.begin_block(block)
-        while (rows := canvas.rows_in_block(block)).numel():
-            view = session.view(rows)
+        while (left := canvas.left_in_block(block))[1]:  # the step's one host read (rows, masked counts)
+            rows = left[0]
+            view = session.view(rows, left[1])
             new_x, info = stepper.step(view, stepper.logits(view))
             canvas.x[rows, view.offset : view.offset + new_x.shape[1]] = new_x
             canvas.stop_at_eos(rows)

@@ -104,7 +104,8 @@ class FefStepper:
                               skip_first=draft_is_state) if self.draft_candidates > 1 else None
 
         positions = band.positions(slots)  # view positions, where the copies reveal drafts
-        copies, copy_index, row_of = _build_copies(x, positions, drafts, count, skip_first=draft_is_state)
+        total = None if view.masked is None else sum(min(slots.shape[1], m) + 1 - draft_is_state for m in view.masked)
+        copies, copy_index, row_of = _build_copies(x, positions, drafts, count, draft_is_state, total)
         if tree is not None:  # the branches' copies join the call
             copies, row_of = tree.add_copies(x, positions, count, copies, row_of)
         copy_logits = view.call(copies, row_of, at=band.at(row_of))
@@ -287,19 +288,27 @@ def _build_copies(
     drafts: torch.Tensor,  # [R, W]
     count: torch.Tensor,  # [R]
     skip_first: bool,
+    total: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Copy c of row r reveals drafts 0..c-1, for c = 0 (or 1) .. count[r].
 
     Returns the copies [N, L], their index per (row, c) [R, W + 1] (-1 where no copy was built) and the
-    row of each copy [N]. Rows build only the copies they need, so ragged windows cost no padding.
+    row of each copy [N]. Rows build only the copies they need, so ragged windows cost no padding. ``total``:
+    N when the host knows it (``View.masked``), so no shape waits for the device (a wrong one raises).
     """
     width = positions.shape[1]
-    c = torch.arange(width + 1, device=x.device)
-    wanted = (c[None, :] <= count[:, None]) & (c[None, :] >= int(skip_first))  # [R, W + 1]
-    row_of, copy_of = wanted.nonzero(as_tuple=True)
+    if total is None:
+        c = torch.arange(width + 1, device=x.device)
+        wanted = (c[None, :] <= count[:, None]) & (c[None, :] >= int(skip_first))  # [R, W + 1]
+        row_of, copy_of = wanted.nonzero(as_tuple=True)
+    else:
+        per_row = count + 1 - int(skip_first)
+        row_of = torch.repeat_interleave(torch.arange(x.shape[0], device=x.device), per_row, output_size=total)
+        first = (per_row.cumsum(0) - per_row)[row_of]  # each row's first copy in the flat order
+        copy_of = torch.arange(total, device=x.device) - first + int(skip_first)
     reveal = torch.arange(width, device=x.device)[None, :] < copy_of[:, None]  # [N, W]
     copies = write_at(x[row_of], positions[row_of], drafts[row_of], reveal)
-    index = torch.full(wanted.shape, -1, dtype=torch.long, device=x.device)
+    index = torch.full((x.shape[0], width + 1), -1, dtype=torch.long, device=x.device)
     index[row_of, copy_of] = torch.arange(row_of.numel(), device=x.device)
     return copies, index, row_of
 
