@@ -456,3 +456,19 @@ def test_dream_native_sampler_runs_its_diffusion_generate(folders):
     assert runs[0].stats.nfe == 4 and runs[0].stats.forward_tokens == 4 * 2 * 11 and runs[0].exact is False
     greedy = dllm.generate(model, prompts, sampler="native", temperature=0.0, generator=torch.Generator(), **common)
     assert not torch.equal(greedy.sequences, runs[0].sequences)
+
+
+def test_causal_adapter_logits_at_equal_the_full_logits(causal):
+    """``logits_at`` (Capabilities.logits_at) runs transformers' own decoder and output layer on the positions
+    asked: the same numbers as the full logits there, plain and cached, ragged rows included."""
+    assert causal.capabilities.logits_at
+    ids, mask = _left_pad([_ids(1, 5, seed=1)[0], _ids(1, 3, seed=2)[0]])
+    at = torch.tensor([[4, 1], [2, 4]])
+    full = causal(ids, attention_mask=mask)
+    picked = causal(ids, attention_mask=mask, logits_at=at)
+    assert picked.dtype == causal.dtype and picked.shape == (2, 2, V)
+    torch.testing.assert_close(picked.float(), full.gather(1, at[..., None].expand(-1, -1, V)))
+    cache = causal.new_cache()
+    causal.forward_cached(ids[:, :3], cache, attention_mask=mask[:, :3])
+    tail = causal.forward_cached(ids[:, 3:], cache, attention_mask=mask, logits_at=torch.tensor([[1], [0]]))
+    torch.testing.assert_close(tail[:, 0].float(), full[torch.arange(2), torch.tensor([4, 3])])

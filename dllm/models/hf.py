@@ -28,7 +28,7 @@ from dllm.counting import Counted, NativeLoop
 from dllm.models.cache import SizedCache
 from dllm.models.remote import guard
 from dllm.numerics import positions_from_mask
-from dllm.protocols import Capabilities, padding_refusal
+from dllm.protocols import Capabilities, gather_positions, padding_refusal
 
 # Chat templates end an assistant turn with one of these (LLaDA/Llama 3, Qwen/Dream, Gemma).
 END_OF_TURN_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|end_of_turn|>", "<end_of_turn>")
@@ -58,6 +58,29 @@ def special_ids(config, tokenizer) -> tuple[int | None, int | None, tuple[int, .
     vocab = tokenizer.get_vocab() if tokenizer is not None else {}
     stops = [eos, *(vocab.get(token) for token in END_OF_TURN_TOKENS)]
     return eos, pad, tuple(dict.fromkeys(i for i in stops if i is not None))  # EOS first
+
+
+def _decoder_and_head(model) -> tuple[Any, Any, str] | None:
+    """(decoder, output layer, the decoder's cache keyword) when the model's logits are the output layer on the
+    decoder's last states, checked once on a short input (a final soft-cap or logit scale makes them differ);
+    None otherwise: then sessions gather from the full logits."""
+    getters = ("get_decoder", "get_output_embeddings")
+    if not all(callable(getattr(model, name, None)) for name in getters):
+        return None
+    decoder, head = model.get_decoder(), model.get_output_embeddings()
+    if not isinstance(decoder, torch.nn.Module) or not isinstance(head, torch.nn.Module) or decoder is model:
+        return None
+    device = next(model.parameters()).device
+    probe = torch.tensor([[0, 1, 2]], device=device)
+    with torch.inference_mode():
+        try:
+            full = model(input_ids=probe, use_cache=False).logits
+            split = head(decoder(input_ids=probe, use_cache=False).last_hidden_state)
+        except (TypeError, AttributeError, ValueError):
+            return None
+    if split.shape != full.shape or not torch.equal(split, full):
+        return None
+    return decoder, head, "cache" if _takes(decoder.forward, "cache") else "past_key_values"
 
 
 def _output_size(model) -> int:
@@ -383,7 +406,7 @@ class CausalLMAdapter(_HFAdapter):
     def capabilities(self) -> Capabilities:
         """An exact KV cache that crops (a sliding-window one says so on the cache: ``croppable``), own generate."""
         return dataclasses.replace(super().capabilities, cache=True, cache_exact=self.cache_exact, cache_crop=True,
-                                   native_loop=True,
+                                   native_loop=True, logits_at=self._split is not None,
                                    tree_attention=bool(self.accepts_attention_mask) and self._full_attention)
 
     def __init__(self, model, tokenizer=None):
@@ -395,18 +418,35 @@ class CausalLMAdapter(_HFAdapter):
         self._full_attention = HFCache(model.config).croppable
         # transformers 5.2x renamed past_key_values to cache (the old name still works until 5.40).
         self._cache_arg = "cache" if _takes(model.forward, "cache") else "past_key_values"
+        self._split = _decoder_and_head(model)
+
+    def _logits(self, logits_at: Tensor | None, **inputs) -> Tensor:
+        """The model's logits [N, n, V] float32, or with ``logits_at`` [N, K] its decoder's last states gathered
+        there and the output layer on those only, in the model's dtype (``Capabilities.logits_at``)."""
+        if logits_at is None:
+            return self.model(**inputs).logits.float()
+        if self._split is None:
+            raise ValueError(f"logits_at: {type(self.model).__name__}'s logits are not its output layer on its "
+                             "decoder's last states (Capabilities.logits_at is False)")
+        decoder, head, cache_arg = self._split
+        if self._cache_arg in inputs:
+            inputs[cache_arg] = inputs.pop(self._cache_arg)
+        states = decoder(**inputs).last_hidden_state
+        return head(gather_positions(states, logits_at.to(states.device)))
 
     @torch.inference_mode()
-    def __call__(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
-        """Next-token logits; attention_mask [B, L] is 0 on left padding.  # [B, L] -> [B, L, V] float32"""
+    def __call__(self, input_ids: Tensor, attention_mask: Tensor | None = None,
+                 logits_at: Tensor | None = None) -> Tensor:
+        """Next-token logits; attention_mask [B, L] is 0 on left padding.  # [B, L] -> [B, L, V] float32
+        ``logits_at`` [B, K]: at those positions only, in the model's dtype (dllm.protocols)."""
         input_ids = input_ids.to(self.device)
         mask = _padding_mask(attention_mask, input_ids)
         if mask is None:
-            return self.model(input_ids=input_ids, use_cache=False).logits.float()
+            return self._logits(logits_at, input_ids=input_ids, use_cache=False)
         if not self.accepts_attention_mask:
             self._refuse_padding()
-        return self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions_from_mask(mask),
-                          use_cache=False).logits.float()
+        return self._logits(logits_at, input_ids=input_ids, attention_mask=mask,
+                            position_ids=positions_from_mask(mask), use_cache=False)
 
     def new_cache(self) -> HFCache:
         """An empty cache for ``forward_cached``."""
@@ -468,6 +508,7 @@ class CausalLMAdapter(_HFAdapter):
         block_offset: Tensor | None = None,
         position_ids: Tensor | None = None,  # [N, n]; default: continue each row's count
         tree_mask: Tensor | None = None,  # [N, n, n] bool: which new tokens each new token sees (a draft tree)
+        logits_at: Tensor | None = None,  # [N, K] new positions whose logits are wanted (as ``__call__``)
     ) -> Tensor:
         """Logits of new tokens after the cached prefix, positions continuing each row's count.  # [N, n, V]
 
@@ -491,11 +532,11 @@ class CausalLMAdapter(_HFAdapter):
                 raise ValueError(f"tree_mask: {type(self.model).__name__} takes no custom attention mask here "
                                  "(Capabilities.tree_attention is False)")
             model_mask = _tree_mask_4d(mask, tree_mask.to(self.device), past.length, self.model.dtype)
-        logits = self.model(input_ids=input_ids, attention_mask=model_mask, position_ids=positions,
-                            use_cache=True, **{self._cache_arg: past.kv}).logits  # past.kv grows in place
+        logits = self._logits(logits_at, input_ids=input_ids, attention_mask=model_mask, position_ids=positions,
+                              use_cache=True, **{self._cache_arg: past.kv})  # past.kv grows in place
         if append:
             cache.key_mask = mask
-        return logits.float()
+        return logits
 
     @staticmethod
     def _past(cache: HFCache, rows: Tensor | None, append: bool, n_inputs: int) -> HFCache:
