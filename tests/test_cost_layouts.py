@@ -106,11 +106,11 @@ def test_projection_never_replays_block_cached_shapes_on_a_bidirectional_target(
 def test_a_hub_folder_gets_the_shape_and_layout_dllm_load_gives_it(tmp_path, family):
     """The cost model's architecture of a hub-layout folder is the one dllm.load builds from it: LLaDA's MLP
     width from mlp_ratio when mlp_hidden_size is null, Dream bidirectional whatever the model_type's case."""
-    from fixtures.hf.remote_checkpoints import REMOTE_CODE
+    from fixtures.hf.remote_checkpoints import require_remote_code
 
     from dllm.models.native import dream_config, llada_config
 
-    config = json.loads((REMOTE_CODE / family / "config.tiny.json").read_text())
+    config = json.loads((require_remote_code(family) / "config.tiny.json").read_text())
     config.update({"mlp_hidden_size": None, "mlp_ratio": 3} if family == "llada" else {"model_type": "dream"})
     (tmp_path / "config.json").write_text(json.dumps(config))
     native = (llada_config if family == "llada" else dream_config)(config, 5, 1, 1)

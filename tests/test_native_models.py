@@ -315,7 +315,7 @@ def test_dream_bpe_files_without_tokenizer_json(tmp_path):
     tokenizer reads those files to the same ids as that code (run here, test-only), which never runs in load."""
     import importlib.util
 
-    from fixtures.hf.remote_checkpoints import REMOTE_CODE
+    from fixtures.hf.remote_checkpoints import require_remote_code
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     folder = make_dream_folder(tmp_path / "bpe")
@@ -336,7 +336,7 @@ def test_dream_bpe_files_without_tokenizer_json(tmp_path):
     config = json.loads((folder / "config.json").read_text())
     config.update(mask_token_id=283, eos_token_id=280, pad_token_id=280, bos_token_id=280)
     (folder / "config.json").write_text(json.dumps(config))
-    spec = importlib.util.spec_from_file_location("_dream_tokenizer_reference", REMOTE_CODE / "dream" /
+    spec = importlib.util.spec_from_file_location("_dream_tokenizer_reference", require_remote_code("dream") /
                                                   "tokenization_dream.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
