@@ -1,10 +1,18 @@
-"""Peak host memory while loading a sharded bf16 checkpoint: ``load_checkpoint`` vs the whole state dict at once.
+"""Peak host memory while loading a bf16 TransformerLM checkpoint, one file or sharded: ``from_pretrained`` vs a
+second copy.
 
-Usage: ``python -m eval.load_memory [--shards 4] [--shard-mb 50]``. Each way runs in a fresh subprocess and
-reports its resident-memory high-water mark (``VmHWM``) above its resident size just before loading (interpreter,
-torch and the meta-built module already counted in that baseline). ``VmHWM`` rather than ``ru_maxrss``: Linux
-carries ``ru_maxrss`` over from the parent across exec, so a child would report at least the parent's peak
-(the parent wrote the checkpoint). Prints one line per way; asserts nothing.
+Usage: ``python -m dllm.eval.load_memory [--layers 2] [--files single sharded] [--shard-mb 1024]``; the widths
+default to LLaDA-8B's (dim 4096, MLP 12288, vocabulary 126464, untied output layer: 2.8 GiB at 2 layers).
+Each way runs in a fresh subprocess and reports its resident-memory high-water mark (``VmHWM``) above its resident
+size just before loading (interpreter, torch, accelerate, safetensors and torch's meta kernels already counted in
+that baseline), in MiB and as a multiple of the checkpoint's bytes. ``VmHWM`` rather than ``ru_maxrss``: Linux
+carries ``ru_maxrss`` over from the parent across exec, so a child would report at least the parent's peak (the
+parent wrote the checkpoint).
+Resident size counts the pages of a memory-mapped file the process has read, not only what it allocated: a loader
+that keeps a whole file mapped while copying it into allocated parameters holds the weights twice.
+Ways: ``from_pretrained`` (the project's loader) and ``load_file_copy`` (safetensors' ``load_file`` dict copied into
+a module allocated in bf16 without initialisation: the second copy alone). Prints one line per way and file layout;
+asserts nothing (tests/test_load_peak.py holds from_pretrained to 1.2x).
 """
 
 from __future__ import annotations
@@ -18,35 +26,42 @@ import tempfile
 from pathlib import Path
 
 import torch
-from torch import nn
 
-WIDTH = 2048  # one 2048 x 2048 bf16 matrix = 8 MiB
+from dllm.models.transformer import CONFIG_NAME, WEIGHTS_NAME, TransformerConfig, TransformerLM
 
-
-class Stack(nn.Module):
-    """Square bf16 matrices, the bulk of a transformer's bytes, without its arithmetic."""
-
-    def __init__(self, n: int):
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(n))
+WAYS = ("from_pretrained", "load_file_copy")
 
 
-def write_checkpoint(folder: Path, shards: int, shard_mb: int) -> int:
-    """A sharded bf16 checkpoint (huggingface_hub's split, as real ones are) -> the number of matrices."""
+def llada_like(layers: int, dim: int = 4096, mlp_hidden: int = 12288, vocab_size: int = 126464) -> TransformerConfig:
+    """LLaDA-8B's widths (its config.json: 32 heads of 128, untied output layer) at ``layers`` layers."""
+    return TransformerConfig(vocab_size=vocab_size, dim=dim, n_layers=layers, n_heads=dim // 128,
+                             mlp_hidden=mlp_hidden, max_seq_len=4096, layout="bidirectional",
+                             mask_token_id=vocab_size - 1, tie_embeddings=False)
+
+
+def write_checkpoint(folder: Path, config: TransformerConfig, shard_mb: int | None = None) -> int:
+    """Random bf16 weights of ``config`` as ``model.safetensors``, or sharded by huggingface_hub's split (as real
+    checkpoints are) when ``shard_mb`` -> the weights' bytes."""
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
 
-    per_shard = max(1, shard_mb * 2**20 // (WIDTH * WIDTH * 2))
-    n = shards * per_shard
+    with torch.device("meta"):
+        shapes = {name: t.shape for name, t in TransformerLM(config).state_dict().items()}
+    if config.tie_embeddings:
+        del shapes["output.weight"]
     generator = torch.Generator().manual_seed(0)
-    state = {f"layers.{i}.weight": torch.randn(WIDTH, WIDTH, generator=generator).to(torch.bfloat16)
-             for i in range(n)}
-    split = split_torch_state_dict_into_shards(state, max_shard_size=per_shard * WIDTH * WIDTH * 2)
-    for file, names in split.filename_to_tensors.items():
-        save_file({k: state[k] for k in names}, folder / file, metadata={"format": "pt"})
-    (folder / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": split.metadata, "weight_map": split.tensor_to_filename}))
-    return n
+    state = {name: torch.randn(shape, generator=generator, dtype=torch.bfloat16) for name, shape in shapes.items()}
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / CONFIG_NAME).write_text(json.dumps(config.to_dict()))
+    if shard_mb is None:
+        save_file(state, folder / WEIGHTS_NAME, metadata={"format": "pt"})
+    else:
+        split = split_torch_state_dict_into_shards(state, max_shard_size=shard_mb * 2**20)
+        for file, names in split.filename_to_tensors.items():
+            save_file({k: state[k] for k in names}, folder / file, metadata={"format": "pt"})
+        (folder / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": split.metadata, "weight_map": split.tensor_to_filename}))
+    return sum(t.nbytes for t in state.values())
 
 
 def _rss_mib() -> float:
@@ -60,54 +75,69 @@ def _peak_mib() -> float:
     return int(line.split()[1]) / 1024  # kB
 
 
-def measure(way: str, folder: Path, n: int, device: str = "cpu") -> dict:
-    """Load ``folder`` one way in this process -> MiB above the pre-load baseline at the high-water mark."""
-    from accelerate import init_empty_weights
+def _load_file_copy(folder: Path) -> TransformerLM:
+    """The whole state dict from ``load_file``, then copied into a bf16 module allocated without initialisation."""
     from safetensors.torch import load_file
 
-    from dllm.models.checkpoint import Target, checkpoint_files, load_checkpoint
+    from dllm.models.checkpoint import checkpoint_files
 
-    with init_empty_weights():
-        model = Stack(n)
+    state = {}
+    for file in checkpoint_files(folder):
+        state.update(load_file(folder / file))
+    config = TransformerConfig.from_dict(json.loads((folder / CONFIG_NAME).read_text()))
+    with torch.device("meta"):
+        model = TransformerLM(config).to(torch.bfloat16)
+    model.to_empty(device="cpu").load_state_dict(state, strict=not config.tie_embeddings)
+    return model
+
+
+def measure(way: str, folder: Path) -> dict:
+    """Load ``folder`` one way in this process -> MiB above the pre-load baseline at the high-water mark."""
+    import accelerate.utils  # noqa: F401  (imported by the loaders: code, counted in the baseline like torch)
+    import safetensors.torch  # noqa: F401
+
+    # The first op on a meta tensor imports torch's Python meta kernels (sympy: ~145 MiB resident, ~2 s), once per
+    # process whatever the checkpoint's size: code, so it goes in the baseline too.
+    torch.nn.init.normal_(torch.empty(1, device="meta"))
+    weights_mib = sum(f.stat().st_size for f in folder.glob("*.safetensors")) / 2**20
     before = _rss_mib()
-    if way == "load_checkpoint":
-        load_checkpoint(model, folder, Target, device=device)
-    else:  # the whole state dict in memory, then copied into an allocated bf16 model
-        state = {}
-        for shard in checkpoint_files(folder):
-            state.update(load_file(folder / shard))
-        model.to_empty(device=device).to(torch.bfloat16).load_state_dict(state)
-    peak = _peak_mib()
+    model = TransformerLM.from_pretrained(folder) if way == "from_pretrained" else _load_file_copy(folder)
+    above = _peak_mib() - before
     dtypes = sorted({str(p.dtype) for p in model.parameters()})
-    return {"way": way, "peak_above_baseline_mib": round(peak - before, 1), "dtypes": dtypes}
+    return {"way": way, "weights_mib": round(weights_mib, 1), "peak_above_baseline_mib": round(above, 1),
+            "ratio": round(above / weights_mib, 3), "dtypes": dtypes}
+
+
+def measure_in_child(way: str, folder: Path) -> dict:
+    """``measure`` in a fresh interpreter, so that the high-water mark is this load's alone."""
+    out = subprocess.run([sys.executable, "-m", "dllm.eval.load_memory", "--child", way, str(folder)],
+                         capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shards", type=int, default=4)
-    parser.add_argument("--shard-mb", type=int, default=50)
-    parser.add_argument("--device", default="cpu", help="where the parameters go (host memory is measured)")
-    parser.add_argument("--child", nargs=3, metavar=("WAY", "FOLDER", "N"), help=argparse.SUPPRESS)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--dim", type=int, default=4096)
+    parser.add_argument("--mlp-hidden", type=int, default=12288)
+    parser.add_argument("--vocab-size", type=int, default=126464)
+    parser.add_argument("--files", nargs="+", choices=("single", "sharded"), default=["single", "sharded"])
+    parser.add_argument("--shard-mb", type=int, default=1024, help="largest shard of the sharded layout")
+    parser.add_argument("--child", nargs=2, metavar=("WAY", "FOLDER"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        way, folder, n = args.child
-        print(json.dumps(measure(way, Path(folder), int(n), args.device)))
+        print(json.dumps(measure(args.child[0], Path(args.child[1]))))
         return
-    if args.shards < 1 or args.shard_mb < 8:
-        parser.error("--shards must be >= 1 and --shard-mb >= 8 (one matrix is 8 MiB)")
-    with tempfile.TemporaryDirectory() as tmp:
-        n = write_checkpoint(Path(tmp), args.shards, args.shard_mb)
-        files = sorted(Path(tmp).glob("*.safetensors"))
-        sizes = [f.stat().st_size / 2**20 for f in files]
-        print(f"checkpoint (parameters to {args.device}): {len(files)} shards, {sum(sizes):.0f} MiB bf16 "
-              f"(largest shard {max(sizes):.0f} MiB)")
-        for way in ("load_checkpoint", "whole_state_dict"):
-            out = subprocess.run([sys.executable, "-m", "eval.load_memory", "--child", way, tmp, str(n),
-                                  "--device", args.device],
-                                 capture_output=True, text=True, check=True).stdout
-            result = json.loads(out.strip().splitlines()[-1])
-            print(f"{way}: peak host memory {result['peak_above_baseline_mib']} MiB above baseline, "
-                  f"parameters {result['dtypes']}")
+    config = llada_like(args.layers, args.dim, args.mlp_hidden, args.vocab_size)
+    for files in args.files:
+        with tempfile.TemporaryDirectory() as tmp:
+            nbytes = write_checkpoint(Path(tmp), config, args.shard_mb if files == "sharded" else None)
+            count = len(list(Path(tmp).glob("*.safetensors")))
+            print(f"{files} ({count} file(s), {nbytes / 2**20:.0f} MiB bf16, {args.layers} layers):")
+            for way in WAYS:
+                result = measure_in_child(way, Path(tmp))
+                print(f"  {way}: peak host memory {result['peak_above_baseline_mib']} MiB above baseline "
+                      f"({result['ratio']}x the weights), parameters {result['dtypes']}")
 
 
 if __name__ == "__main__":

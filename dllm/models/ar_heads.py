@@ -36,9 +36,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import Tensor, nn
 
+from .checkpoint import load_saved
 from .transformer import TransformerConfig, TransformerLM, _apply_rotary, _Block, _RMSNorm, _Rotary, _SwiGLU
 
 KINDS = ("eagle", "dflash", "repair")
@@ -407,12 +408,12 @@ def head_config(head) -> HeadConfig:
 
 
 def load_head(head, device=None, dtype=None) -> EagleHead | DFlashHead | RepairHead:
-    """A head module as it is, or the head saved in folder ``head``, in eval mode."""
+    """A head module as it is, or the head saved in folder ``head`` (float32 unless ``dtype``, tensor by tensor into
+    a meta-built head), in eval mode."""
     if isinstance(head, tuple(HEADS.values())):
         return head
-    module = new_head(head_config(head))
-    module.load_state_dict(load_file(str(Path(head) / "model.safetensors")))
-    return module.to(device=device, dtype=dtype).eval()
+    config = head_config(head)
+    return load_saved(lambda: new_head(config), head, dtype=dtype or torch.float32, device=device).eval()
 
 
 def check_head(head, kind: str | tuple[str, ...], backbone) -> HeadConfig:

@@ -1,15 +1,17 @@
-"""Fill a module built on the meta device from safetensors shards, one shard and one tensor at a time.
+"""Fill a module built on the meta device from safetensors files (one or sharded), one tensor at a time.
 
-Big checkpoints (LLaDA-8B: 16 GB in bf16) must load without a float32 copy and without the whole state dict
-in host memory. The file format and placement are the field's libraries: ``safetensors.safe_open`` reads a
-memory-mapped shard tensor by tensor, accelerate places tensors (``set_module_tensor_to_device``), plans a
-multi-GPU split (``infer_auto_device_map``) and dispatches (``dispatch_model``). What is ours is the weight-name
-table (``rename``) with fused targets, and refusing a checkpoint that does not fill the module exactly.
+Big checkpoints (LLaDA-8B: 16 GB in bf16) must load without a float32 copy and without a second copy of the weights
+in host memory. The file format and placement are the field's libraries: ``safetensors.safe_open`` memory-maps a
+file and reads it tensor by tensor, accelerate places tensors (``set_module_tensor_to_device``), plans a multi-GPU
+split (``infer_auto_device_map``) and dispatches (``dispatch_model``). What is ours is the weight-name table
+(``rename``) with fused targets, refusing a checkpoint that does not fill the module exactly, and reading through
+short-lived mappings, so that host memory peaks near the weights' size whether the checkpoint is one file or shards.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,6 +22,7 @@ from torch import nn
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+_CHUNK_BYTES = 16 * 2**20  # file pages resident at once while reading: the peak above the weights
 
 
 @dataclass(frozen=True)
@@ -43,8 +46,9 @@ class _Entry:
 
 def load_checkpoint(module: nn.Module, folder: str | Path, rename: Callable[[str], Target | None], *,
                     dtype: torch.dtype | None = None, device=None, device_map=None) -> nn.Module:
-    """Fill ``module`` (built under ``accelerate.init_empty_weights()``, parameters on meta) from the folder's
-    ``model.safetensors`` or the shards named in ``model.safetensors.index.json``, one shard at a time.
+    """Fill ``module`` (built under ``accelerate.init_empty_weights()`` or ``torch.device("meta")``, parameters on
+    meta) from the folder's ``model.safetensors`` or the shards named in ``model.safetensors.index.json``, tensor by
+    tensor: host memory peaks at the loaded weights plus one chunk of ``_CHUNK_BYTES``.
 
     rename: hub tensor name -> Target, or None for a tensor deliberately ignored; KeyError for an unknown one.
     dtype: of every loaded tensor; None keeps each hub tensor's own (a bf16 checkpoint stays bf16).
@@ -76,6 +80,34 @@ def load_checkpoint(module: nn.Module, folder: str | Path, rename: Callable[[str
 
         dispatch_model(module, placement)
     return module
+
+
+def load_saved(build: Callable[[], nn.Module], folder: str | Path, *, dtype: torch.dtype | None = None,
+               device=None) -> nn.Module:
+    """A module saved by this project's ``save_pretrained`` (its own state-dict names; a tied tensor stored once):
+    ``build()`` run on the meta device (no random weights made first; ties kept, unlike ``init_empty_weights``),
+    then filled by ``load_checkpoint``. dtype None keeps the saved dtype; device None is CPU.
+    ValueError "<file> does not match its config: missing [...], unexpected [...]" before any weight is read."""
+    folder = Path(folder)
+    with torch.device("meta"):
+        module = build()
+    _check_names(module, folder)
+    return load_checkpoint(module, folder, Target, dtype=dtype, device=device)
+
+
+def _check_names(module: nn.Module, folder: Path) -> None:
+    """The files hold exactly the module's state-dict names, each tied tensor under its first name."""
+    from safetensors import safe_open
+
+    files, stored = checkpoint_files(folder), set()
+    for file in files:
+        with safe_open(folder / file, framework="pt") as mapped:
+            stored.update(mapped.keys())
+    wanted = set(_tied(_slots(module)).values())
+    missing, unexpected = sorted(wanted - stored), sorted(stored - wanted)
+    if missing or unexpected:
+        where = folder / files[0] if len(files) == 1 else folder
+        raise ValueError(f"{where} does not match its config: missing {missing}, unexpected {unexpected}")
 
 
 def checkpoint_files(folder: Path) -> list[str]:
@@ -215,33 +247,49 @@ def _dtypes(entries: list[_Entry], dtype, folder: Path) -> dict[str, torch.dtype
 
 
 def _read(module: nn.Module, folder: Path, entries: list[_Entry], slots: dict, dtype, placement) -> None:
-    """Shard by shard: allocate each target once on its device, in its dtype, and copy hub tensors in."""
+    """Tensor by tensor: allocate each target once on its device, in its dtype, and copy hub tensors in by chunks."""
     from accelerate.utils import set_module_tensor_to_device
-    from safetensors import safe_open
 
     canonical, dtypes = _tied(slots), _dtypes(entries, dtype, folder)
-    by_shard: dict[str, list[_Entry]] = {}
     for e in entries:
-        by_shard.setdefault(e.shard, []).append(e)
-    for shard, shard_entries in by_shard.items():
-        with safe_open(folder / shard, framework="pt", device="cpu") as file:
-            for e in shard_entries:
-                name = canonical[e.target.name]
-                if _get(module, name).is_meta:
-                    device = _device_of(name, placement)
-                    empty = torch.empty(slots[name].shape, dtype=dtypes[e.target.name], device=device)
-                    # dtype= is needed: without it accelerate casts the value to the meta tensor's float32
-                    set_module_tensor_to_device(module, name, device, value=empty, dtype=empty.dtype,
-                                                clear_cache=False)
-                live = _get(module, name)
-                with torch.no_grad():
-                    rows = live[e.target.offset:e.target.offset + e.shape[0]] if e.shape else live
-                    rows.copy_(file.get_tensor(e.hub_name))  # one hub tensor in host memory at a time
+        name = canonical[e.target.name]
+        if _get(module, name).is_meta:
+            device = _device_of(name, placement)
+            empty = torch.empty(slots[name].shape, dtype=dtypes[e.target.name], device=device)
+            # dtype= is needed: without it accelerate casts the value to the meta tensor's float32
+            set_module_tensor_to_device(module, name, device, value=empty, dtype=empty.dtype, clear_cache=False)
+        live = _get(module, name)
+        with torch.no_grad():
+            for start, stop in _chunks(e):
+                _copy_rows(live, folder / e.shard, e, start, stop)
     for alias, name in canonical.items():  # re-tie: set_module_tensor_to_device replaced one name only
         if alias != name:
             owner, _, leaf = alias.rpartition(".")
             parent = module.get_submodule(owner)
             (parent._parameters if leaf in parent._parameters else parent._buffers)[leaf] = _get(module, name)
+
+
+def _chunks(e: _Entry) -> list[tuple[int, int]]:
+    """Row ranges of a hub tensor, each at most ``_CHUNK_BYTES`` (or one row); one range for a scalar."""
+    if not e.shape:
+        return [(0, 1)]
+    row_bytes = math.prod(e.shape[1:]) * e.dtype.itemsize
+    step = max(1, _CHUNK_BYTES // max(1, row_bytes))
+    return [(start, min(start + step, e.shape[0])) for start in range(0, e.shape[0], step)]
+
+
+def _copy_rows(live: torch.Tensor, file: Path, e: _Entry, start: int, stop: int) -> None:
+    """Copy rows start..stop of hub tensor ``e`` into ``live`` at its target offset, through a mapping of ``file``
+    opened for these rows alone: the file pages a mapping has read stay in this process's resident memory until
+    it is closed, so one mapping held over a whole single-file checkpoint would hold the weights twice."""
+    from safetensors import safe_open
+
+    with safe_open(file, framework="pt", device="cpu") as mapped:
+        if not e.shape:
+            live.copy_(mapped.get_tensor(e.hub_name))
+            return
+        offset = e.target.offset
+        live[offset + start:offset + stop].copy_(mapped.get_slice(e.hub_name)[start:stop])  # a view of the map
 
 
 def _get(module: nn.Module, name: str) -> torch.Tensor:

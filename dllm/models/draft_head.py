@@ -23,8 +23,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import Tensor, nn
+
+from dllm.models.checkpoint import load_saved
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -146,17 +148,13 @@ class DraftHead(nn.Module):
 
     @classmethod
     def from_pretrained(cls, folder: str | Path, device: str | torch.device | None = None) -> DraftHead:
-        """Load a head saved by ``save_pretrained`` (eval mode, float32)."""
+        """Load a head saved by ``save_pretrained`` (eval mode, float32), tensor by tensor into a meta-built head."""
         folder = Path(folder)
         if not (folder / CONFIG_NAME).is_file() or not (folder / WEIGHTS_NAME).is_file():
             raise ValueError(f"draft_head={str(folder)!r} is not a draft-head folder "
                              f"(needs {CONFIG_NAME} and {WEIGHTS_NAME})")
-        head = cls(DraftHeadConfig.from_dict(json.loads((folder / CONFIG_NAME).read_text())))
-        missing, unexpected = head.load_state_dict(load_file(str(folder / WEIGHTS_NAME)), strict=False)
-        if missing or unexpected:
-            raise ValueError(f"{folder / WEIGHTS_NAME} does not match its config: missing {missing}, "
-                             f"unexpected {unexpected}")
-        return head.to(device=device).eval()
+        config = DraftHeadConfig.from_dict(json.loads((folder / CONFIG_NAME).read_text()))
+        return load_saved(lambda: cls(config), folder, dtype=torch.float32, device=device).eval()
 
 
 class HeadSteps:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from einops import rearrange, repeat
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from dllm.models.cache import KVCache
