@@ -96,6 +96,7 @@ def generate(
                              callback=callback, **config.values())
     synchronize(input_ids.device)
     stats.wall_time_s = time.perf_counter() - start
+    stats.settle()  # the counters the loop kept on the device, read once: the returned stats hold plain numbers
     if stop_ids is not None:
         stats.new_tokens = int(answer_lengths(sequences[:, input_ids.shape[1] :], stop_ids).sum())
     shown = config.values()

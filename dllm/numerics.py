@@ -12,6 +12,8 @@
   ``NOISE_CHUNK_ELEMENTS`` entries.
 - Every random draw takes an explicit ``torch.Generator`` (or ``RowGenerators``, one per batch row);
   there is no global RNG in sampling code.
+- Noise is drawn on the device of the tensors it meets (``generator_on``): float64 noise never crosses devices,
+  and drawing it never waits for the device.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from collections.abc import Sequence
 import torch
 
 NOISE_CHUNK_ELEMENTS = 1 << 23  # 64 MB of float64 noise at most per chunk
+SEED_LIMIT = 1 << 63  # seeds are int64 >= 0 (the counter-based noise's Philox key is their two 32-bit halves)
+_MASK64 = (1 << 64) - 1
 
 
 def softmax(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -36,28 +40,35 @@ class RowGenerators:
 
     Samplers ``bind`` it to the batch row of every leading index of the next draw (``rows`` [N]); each
     index then draws its share from its own row's generator. Binding composes: ``bind(i)`` of a bound
-    object picks ``rows[i]``.
+    object picks ``rows[i]``. Binding stays on the rows' device; a draw reads the rows once (it must know
+    which generator serves which index), so a bound object costs one read however often it draws.
     """
 
     def __init__(self, generators: Sequence[torch.Generator], rows: torch.Tensor | None = None):
         self.generators = list(generators)
-        self.rows = torch.arange(len(self.generators)) if rows is None else rows.detach().cpu().long()
+        self.rows = None if rows is None else rows.detach().long().clone()  # None: index i is row i
+        self._host_rows: list[int] | None = None
 
     @property
     def device(self) -> torch.device:
         return self.generators[0].device
 
     def bind(self, index: torch.Tensor) -> RowGenerators:
-        return RowGenerators(self.generators, self.rows[index.detach().cpu().long()])
+        return RowGenerators(self.generators, index if self.rows is None else self.rows[index.to(self.rows.device)])
 
-    def rand(self, shape: tuple[int, ...]) -> torch.Tensor:
-        """float64 uniforms [N, *shape[1:]]: index i drawn from the generator of row ``rows[i]``."""
-        if shape[0] != len(self.rows):
-            raise ValueError(f"RowGenerators bound to {len(self.rows)} rows cannot draw shape {shape}")
-        if not len(self.rows):
-            return torch.empty(shape, dtype=torch.float64, device=self.device)
-        return torch.stack([torch.rand(shape[1:], generator=self.generators[int(r)], dtype=torch.float64,
-                                       device=self.device) for r in self.rows])
+    def rand(self, shape: tuple[int, ...], device: torch.device | str | None = None) -> torch.Tensor:
+        """float64 uniforms [N, *shape[1:]] on ``device`` (default: the generators'): index i drawn from the
+        generator of row ``rows[i]``."""
+        device = self.device if device is None else device
+        count = len(self.generators) if self.rows is None else self.rows.shape[0]
+        if shape[0] != count:
+            raise ValueError(f"RowGenerators bound to {count} rows cannot draw shape {shape}")
+        if not count:
+            return torch.empty(shape, dtype=torch.float64, device=device)
+        if self._host_rows is None:
+            self._host_rows = list(range(count)) if self.rows is None else self.rows.tolist()
+        return torch.stack([torch.rand(shape[1:], generator=generator_on(self.generators[r], device),
+                                       dtype=torch.float64, device=device) for r in self._host_rows])
 
 
 Generator = torch.Generator | RowGenerators
@@ -68,12 +79,63 @@ def bind_rows(generator: Generator, rows: torch.Tensor) -> Generator:
     return generator.bind(rows) if isinstance(generator, RowGenerators) else generator
 
 
+def draw_seed(generator: torch.Generator) -> int:
+    """One seed in [0, 2^63) from ``generator``, without waiting for a device: how a kernel (and ``generator_on``)
+    turns a generator into replayable noise.
+
+    A CPU generator draws it. An accelerator's generator (CUDA's Philox) gives it from its host-side state,
+    (seed, offset) mixed by SplitMix64 (Steele et al. 2014), and moves its offset on by one draw's 4 so the next
+    call differs: drawing on the device and reading the number back would stall the host once per call.
+    """
+    if generator.device.type == "cpu":  # (device named "cpu": a host draw, to dllm.syncs too)
+        return int(torch.randint(0, SEED_LIMIT - 1, (), generator=generator, device="cpu").item())
+    try:
+        offset = generator.get_offset()
+    except (AttributeError, RuntimeError, NotImplementedError):  # no host-side offset: draw there and read (a sync)
+        return int(torch.randint(0, SEED_LIMIT - 1, (), generator=generator, device=generator.device).item())
+    generator.set_offset(offset + 4)
+    return _splitmix64((generator.initial_seed() * 0x9E3779B97F4A7C15 + offset) & _MASK64) >> 1
+
+
+def _splitmix64(value: int) -> int:
+    """SplitMix64's output function of a 64-bit value (Steele, Lea and Flood 2014)."""
+    value = (value + 0x9E3779B97F4A7C15) & _MASK64
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return value ^ (value >> 31)
+
+
+def generator_on(generator: torch.Generator, device: torch.device | str) -> torch.Generator:
+    """``generator`` when it draws on ``device``; else a generator there, seeded by one ``draw_seed`` from it.
+
+    Why a conversion and not an error: the README, the CLI and bench pass ``torch.Generator()`` (a CPU one) with
+    inputs on any device. Before, their float64 noise was drawn on the CPU and copied over (up to 64 MB a chunk,
+    and a copy that waits for the device); now it is drawn where the tensors are, still replayed exactly from
+    the generator's state, at the cost of one host-side seed per draw (what the Triton kernels pay). On its own
+    device the generator is used as is: CPU runs draw exactly what they always drew.
+    """
+    device = torch.device(device)
+    if _same_device(generator.device, device):
+        return generator
+    seed = draw_seed(generator)
+    try:
+        return torch.Generator(device=device).manual_seed(seed)
+    except RuntimeError as error:
+        raise ValueError(f"generator: noise for tensors on {device} is drawn on {device}, where no torch.Generator "
+                         f"can live ({error}); pass a torch.Generator on the inputs' device or the CPU, or explicit "
+                         "noise") from None
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """Same device; an index left out (``torch.device("cuda")``) matches any index of its type."""
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
 def uniform(generator: Generator, shape: tuple[int, ...], device: torch.device | str) -> torch.Tensor:
-    """float64 uniforms in [0, 1) drawn from ``generator`` and moved to ``device``."""
+    """float64 uniforms in [0, 1) drawn from ``generator`` on ``device`` (``generator_on``)."""
     if isinstance(generator, RowGenerators):
-        return generator.rand(shape).to(device)
-    noise = torch.rand(shape, generator=generator, dtype=torch.float64, device=generator.device)
-    return noise.to(device)
+        return generator.rand(shape, device)
+    return torch.rand(shape, generator=generator_on(generator, device), dtype=torch.float64, device=device)
 
 
 def gumbel(generator: torch.Generator, shape: tuple[int, ...], device: torch.device | str) -> torch.Tensor:
@@ -99,7 +161,9 @@ def _gumbel_chunks(log_weights: torch.Tensor, generator: torch.Generator):
     chunk = max(1, NOISE_CHUNK_ELEMENTS // max(vocab, 1))
     for start in range(0, n, chunk):
         rows = log_weights[start : start + chunk].double()
-        part = bind_rows(generator, torch.arange(start, start + rows.shape[0]))
+        part = generator  # per-row generators: bound to the chunk's rows, on their device (no copy of the index)
+        if isinstance(generator, RowGenerators):
+            part = generator.bind(torch.arange(start, start + rows.shape[0], device=rows.device))
         yield start, rows + gumbel(part, tuple(rows.shape), rows.device)
 
 

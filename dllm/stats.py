@@ -56,7 +56,16 @@ class DecodeStats:
     - acceptance against entropy (``EntropyAcceptance``, recorded only when passed as the callback): per
       draft the verification tested (up to and including a row's first rejection), the entropy in nats of
       the target's temperature-1 distribution at its position, and whether it was accepted.
+    - ``steps``: steps of the decoding loop: each ``count_round`` or ``count_verification`` call once, however
+      many rows took part (``rounds`` counts the rows). Synchronisations per step (bench's ``syncs_per_step``) are
+      the device-to-host synchronising operations of the ``generate`` calls (``dllm.syncs``) divided by ``steps``.
     - ``wall_time_s``: wall-clock seconds of the whole decoding loop, after device synchronisation.
+
+    Counting never waits for the device: ``count_round`` and ``count_verification`` add to tensors on the
+    counts' device, and the counters that depend on values (``new_tokens``, ``drafted``, ``accepted``,
+    ``draft_rounds``, ``undrafted_tokens``, ``siblings_taken`` and the per-position lists) take them in by one
+    read, ``settle()``, which every read or write of one of them does first: they never read stale. ``nfe``,
+    ``row_calls``, ``forward_tokens``, ``rounds`` and ``steps`` come from shapes and stay on the host.
     """
 
     nfe: int = 0
@@ -66,6 +75,7 @@ class DecodeStats:
     forward_tokens_draft: int = 0
     new_tokens: int = 0
     rounds: int = 0
+    steps: int = 0
     drafted: int = 0
     accepted: int = 0
     draft_rounds: int = 0
@@ -88,28 +98,78 @@ class DecodeStats:
 
     def count_round(self, emitted: torch.Tensor) -> None:
         """Record one step of a non-speculative sampler: ``emitted`` [N] tokens per taking-part row."""
-        self.rounds += int(emitted.numel())
-        self.new_tokens += int(emitted.sum())
+        self.rounds += emitted.numel()
+        self.steps += 1
+        self._pend(emitted.long().sum()[None], emitted.device)
 
     def count_verification(
         self, num_drafts: torch.Tensor, num_accepted: torch.Tensor, num_emitted: torch.Tensor,
-        branch: torch.Tensor | None = None,
+        branch: torch.Tensor | None = None, *, width: int | None = None,
     ) -> None:
         """Record one verification round; each argument is [N] over the rows that took part (``branch``: a
-        draft tree's taken alternative per row, 0 for none)."""
-        self.count_round(num_emitted)
-        if branch is not None:
-            self.siblings_taken += int((branch > 0).sum())
-        self.drafted += int(num_drafts.sum())
-        self.accepted += int(num_accepted.sum())
+        draft tree's taken alternative per row, 0 for none). ``width``: the round's window (``drafts.shape[1]``),
+        a bound on ``num_drafts`` known on the host; without it, one read of ``num_drafts.max()`` finds it."""
+        self.rounds += num_emitted.numel()
+        self.steps += 1
+        num_drafts, num_accepted, num_emitted = num_drafts.long(), num_accepted.long(), num_emitted.long()
         drafting = num_drafts > 0
-        self.draft_rounds += int(drafting.sum())
-        self.undrafted_tokens += int(num_emitted[~drafting].sum())
-        width = int(num_drafts.max()) if num_drafts.numel() else 0
-        self._grow(width)
-        for j in range(width):
-            self.drafted_per_position[j] += int((num_drafts > j).sum())
-            self.accepted_per_position[j] += int((num_accepted > j).sum())
+        taken = torch.zeros_like(num_drafts) if branch is None else (branch > 0).long()
+        # new_tokens, drafted, accepted, draft_rounds, undrafted_tokens, siblings_taken (_SETTLED's order)
+        rows = torch.stack([num_emitted, num_drafts, num_accepted, drafting.long(),
+                            torch.where(drafting, 0, num_emitted), taken])  # [6, N]
+        if width is None:
+            width = int(num_drafts.max()) if num_drafts.numel() else 0
+        if num_drafts.numel() and width:
+            # Draft j counts where j < num_drafts, accepted where j < num_accepted, over the positions some row
+            # of this round proposed (below the round's largest num_drafts), as the per-position loop did.
+            j = torch.arange(width, device=num_drafts.device)
+            reached = torch.stack([num_drafts, num_accepted.clamp(max=num_drafts.max())])  # [2, N]
+            positions = (reached[:, :, None] > j).long().sum(1)  # [2, width]
+        else:
+            positions = None
+        self._pend(rows.sum(1), num_emitted.device, positions)
+
+    def _pend(self, totals: torch.Tensor, device: torch.device, positions: torch.Tensor | None = None) -> None:
+        """Add ``totals`` [<= 6] (in _SETTLED's order) and ``positions`` [2, W] (drafted, accepted per position)
+        to the pending device counters; out of place, so copies of these stats never share them."""
+        state = self.__dict__
+        if state.get("_totals") is not None and state["_totals"].device != device:
+            self.settle()  # counts on another device: fold in what was there first
+        pending = state.get("_totals")
+        totals = _pad(totals, len(_SETTLED))
+        state["_totals"] = totals if pending is None else pending + totals
+        if positions is not None:
+            pending = state.get("_positions")
+            if pending is not None and pending.shape[1] != positions.shape[1]:
+                wide = max(pending.shape[1], positions.shape[1])
+                pending, positions = _pad(pending, wide), _pad(positions, wide)
+            state["_positions"] = positions if pending is None else pending + positions
+
+    def settle(self) -> DecodeStats:
+        """Fold the counts pending on the device into the fields: one device-to-host read (none when nothing is
+        pending). Reading or writing any counter calls it; call it to pay for the read at a chosen moment."""
+        state = self.__dict__
+        totals, positions = state.get("_totals"), state.get("_positions")
+        if totals is None:
+            return self
+        state["_totals"] = state["_positions"] = None
+        values = (totals if positions is None else torch.cat([totals, positions.flatten()])).tolist()
+        for name, value in zip(_SETTLED, values):
+            state[name] += value
+        if positions is not None:
+            per_position = values[len(_SETTLED) :]
+            drafted, accepted = per_position[: positions.shape[1]], per_position[positions.shape[1] :]
+            # The lists reach the furthest position any round proposed (drafted > 0), as they always did.
+            width = max((j + 1 for j, d in enumerate(drafted) if d), default=0)
+            self._grow(width)
+            for j in range(width):
+                state["drafted_per_position"][j] += drafted[j]
+                state["accepted_per_position"][j] += accepted[j]
+        return self
+
+    def __getstate__(self) -> dict:
+        """Copies and pickles carry settled counters only."""
+        return dict(self.settle().__dict__)
 
     def _grow(self, width: int) -> None:
         missing = width - len(self.drafted_per_position)
@@ -133,7 +193,8 @@ class DecodeStats:
         """Sum two runs' counters (e.g. batches of one evaluation)."""
         total = DecodeStats()
         for name in ("nfe", "nfe_draft", "row_calls", "forward_tokens", "forward_tokens_draft", "new_tokens", "rounds",
-                     "drafted", "accepted", "draft_rounds", "undrafted_tokens", "siblings_taken", "wall_time_s"):
+                     "steps", "drafted", "accepted", "draft_rounds", "undrafted_tokens", "siblings_taken",
+                     "wall_time_s"):
             setattr(total, name, getattr(self, name) + getattr(other, name))
         total._grow(max(len(self.drafted_per_position), len(other.drafted_per_position)))
         for src in (self, other):
@@ -149,6 +210,37 @@ class DecodeStats:
                      "tokens_per_call", "tokens_per_row_call", "tokens_per_second"):
             out[name] = getattr(self, name)
         return out
+
+
+class _Settled:
+    """A DecodeStats counter whose value may have additions pending on the device: reading or writing it settles
+    them first (``DecodeStats.settle``), so no reader ever sees a stale count."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __get__(self, stats, owner=None):
+        if stats is None:
+            return self
+        if stats.__dict__.get("_totals") is not None:
+            stats.settle()
+        return stats.__dict__[self.name]
+
+    def __set__(self, stats, value) -> None:
+        if stats.__dict__.get("_totals") is not None:
+            stats.settle()  # then ``stats.new_tokens = n`` replaces a count that includes what was pending
+        stats.__dict__[self.name] = value
+
+
+# The counters counted on the device, in the order of DecodeStats._pend's totals; then the per-position lists.
+_SETTLED = ("new_tokens", "drafted", "accepted", "draft_rounds", "undrafted_tokens", "siblings_taken")
+for _name in (*_SETTLED, "drafted_per_position", "accepted_per_position"):
+    setattr(DecodeStats, _name, _Settled(_name))
+
+
+def _pad(counts: torch.Tensor, width: int) -> torch.Tensor:
+    """``counts`` [..., W] padded with zeros to [..., width] (width >= W)."""
+    return torch.nn.functional.pad(counts, (0, width - counts.shape[-1]))
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,10 @@ after on GPUs). Reported: medians and min/max over repeats, and speedups as the 
 ratios to the baseline measured in the same repeat (absolute times drift; ratios measured together hold).
 The recorded pass also keeps, for every draft the verification tested (fef, ar_spec), the target's entropy
 there and whether the draft was accepted (``dllm.stats.EntropyAcceptance``): results.json's
-``acceptance_vs_entropy`` (linear fit, bins), a table in results.md and ``acceptance_entropy.png``.
+``acceptance_vs_entropy`` (linear fit, bins), a table in results.md and ``acceptance_entropy.png``; and it
+counts the device-to-host synchronisations of its ``generate`` calls (``dllm.syncs``; on a CPU, those the run
+would make on a GPU; the recording callback's own are left out): ``syncs_per_step`` is their number divided by
+the loop's steps (``DecodeStats.steps``), with ``syncs_by_op``.
 Interrupted (Ctrl-C or SIGTERM, e.g. from ``timeout``) after at least one full repeat, the study still
 writes its results from the repeats every configuration completed, marks them ``interrupted`` and exits
 with status 130.
@@ -61,6 +64,7 @@ from dllm.eval.runner import group_by_length, padding_problem, parse_value
 from dllm.numerics import synchronize
 from dllm.samplers import SAMPLERS, typed_options
 from dllm.stats import EntropyAcceptance
+from dllm.syncs import SyncCount, count_syncs
 
 SHIPPED = Path(dllm.__file__).resolve().parent / "weights"
 DEFAULT_MODELS = {name: str(SHIPPED / name) for name in ("ar", "diffusion", "drafter", "two_stream",
@@ -376,6 +380,23 @@ class CallLog:
     def __init__(self):
         self.counts: Counter = Counter()
         self.drafts = EntropyAcceptance()
+        self.syncs: Counter = Counter()  # synchronising op -> count, over the recorded generate calls
+        self.steps = 0  # their loop steps (DecodeStats.steps)
+        self.counting: SyncCount | None = None  # the counter of the generate call running now
+
+    def observe(self, event) -> None:
+        """The recording callback: each tested draft's entropy, whose reads are the bench's, not the decode's."""
+        with self.counting.paused() if self.counting is not None else contextlib.nullcontext():
+            self.drafts(event)
+
+    def count(self, syncs: SyncCount, steps: int) -> None:
+        self.syncs.update(syncs.by_op)
+        self.steps += steps
+        self.counting = None
+
+    @property
+    def syncs_per_step(self) -> float | None:
+        return sum(self.syncs.values()) / self.steps if self.steps else None
 
     def record(self, call: Call) -> None:
         self.counts[("draft" if call.draft else "target", call.rows, call.tokens, call.context)] += 1
@@ -395,7 +416,7 @@ def run_pass(run: Prepared, batches: list[Batch], settings: Settings, log: CallL
     if log is not None:
         model = CountingModel(model, log.record)
         if run.config.sampler != "native":  # the checkpoint's own loop takes no callback (and verifies nothing)
-            options["callback"] = log.drafts
+            options["callback"] = log.observe
         if "drafter" in options and not isinstance(options["drafter"], str):
             options["drafter"] = CountingModel(options["drafter"], log.record, draft=True)
     seconds, outputs = 0.0, []
@@ -403,12 +424,16 @@ def run_pass(run: Prepared, batches: list[Batch], settings: Settings, log: CallL
         generator = torch.Generator(device=batch.input_ids.device).manual_seed(settings.seed + i)
         synchronize(batch.input_ids.device)
         start = time.perf_counter()
-        with torch.inference_mode():
+        with torch.inference_mode(), contextlib.ExitStack() as counted:
+            if log is not None:  # the recorded pass only: counting slows every torch call
+                log.counting = counted.enter_context(count_syncs(as_gpu=batch.input_ids.device.type == "cpu"))
             out = dllm.generate(model, batch.input_ids, sampler=run.config.sampler,
                                 max_new_tokens=settings.max_new_tokens, temperature=run.temperature,
                                 generator=generator, attention_mask=batch.attention_mask, **options)
         synchronize(batch.input_ids.device)
         seconds += time.perf_counter() - start
+        if log is not None:
+            log.count(log.counting, out.stats.steps)
         outputs.append(out)
         if on_batch is not None:
             on_batch()
@@ -542,6 +567,7 @@ def summarize(run: Prepared, outputs, log: CallLog, seconds: list[float], texts,
         "num_scored": 0 if scores is None else len(scores),
         "examples": texts[:2], "call_shapes": log.to_list(), "needs": needs,
         "acceptance_vs_entropy": log.drafts.fit() if log.drafts.entropy else None,
+        "syncs_per_step": log.syncs_per_step, "syncs_by_op": dict(log.syncs.most_common()),
     }
 
 

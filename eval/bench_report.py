@@ -15,7 +15,7 @@ COLUMNS = (  # (header, key, format) of the printed and markdown tables
     ("NFE", "nfe", "{}"), ("NFE draft", "nfe_draft", "{}"), ("fwd tok/tok", "forward_tokens_per_token", "{:.1f}"),
     ("tok/call", "tokens_per_call", "{:.2f}"), ("tok/row-call", "tokens_per_row_call", "{:.2f}"),
     ("acc. len", "mean_acceptance_length", "{:.2f}"), ("tau", "tokens_per_draft_round", "{:.2f}"),
-    ("accuracy", "accuracy", "{:.3f}"),
+    ("accuracy", "accuracy", "{:.3f}"), ("syncs/step", "syncs_per_step", "{:.1f}"),
 )
 
 
@@ -23,7 +23,7 @@ def table_rows(runs: list[dict]) -> list[list[str]]:
     rows = []
     for run in runs:
         run = {**run, "speedup_range": f"{run['speedup_min']:.2f}-{run['speedup_max']:.2f}"}
-        rows.append(["-" if run[key] is None else fmt.format(run[key]) for _, key, fmt in COLUMNS])
+        rows.append(["-" if run.get(key) is None else fmt.format(run[key]) for _, key, fmt in COLUMNS])
     return rows
 
 

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from dllm.numerics import NOISE_CHUNK_ELEMENTS
+# draw_seed (a generator -> one seed, without waiting for a device) lives beside the noise rules, which also use it
+# to move a generator to the tensors' device; kernels import it from here.
+from dllm.numerics import NOISE_CHUNK_ELEMENTS, SEED_LIMIT, draw_seed  # noqa: F401
 
 # Streams keep the noise of different uses independent under one seed.
 STREAM_ACCEPT = 0  # verification: one uniform per (row, draft)
@@ -26,18 +28,11 @@ STREAM_SAMPLE = 2  # per-position sampling: Gumbel noise per (row, token)
 STREAM_BRANCH_ACCEPT = 3  # a draft tree's continuation after an accepted alternative: uniforms
 STREAM_BRANCH_RESIDUAL = 4  # ... and its correction/bonus Gumbels
 
-SEED_LIMIT = 1 << 63  # seeds are int64 >= 0; Philox's key is their low and high 32-bit halves
-
 # Philox-4x32 constants (Salmon et al. 2011, Table 2; the Random123 defaults).
 PHILOX_MULTIPLIERS = (0xD2511F53, 0xCD9E8D57)
 PHILOX_KEY_BUMPS = (0x9E3779B9, 0xBB67AE85)
 PHILOX_ROUNDS = 10
 _MASK32 = 0xFFFFFFFF
-
-
-def draw_seed(generator: torch.Generator) -> int:
-    """One seed in [0, 2^63) from ``generator``: how a kernel turns a generator into replayable noise."""
-    return int(torch.randint(0, SEED_LIMIT - 1, (), generator=generator, device=generator.device).item())
 
 
 def philox4x32(seed: int, c0: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor, c3: torch.Tensor):

@@ -255,13 +255,25 @@ def _verify(
     tokens = torch.full((batch, width + 1), -1, dtype=torch.long, device=device)
     kept = torch.arange(width, device=device) < num_accepted[:, None]
     tokens[:, :width] = torch.where(kept, draft_tokens, tokens[:, :width])
-    rows = extra.nonzero().squeeze(-1)
-    if rows.numel():
+    rows = _extra_rows(extra, noise, greedy)
+    if rows.numel() and target_probs.shape[1]:  # (no target row: K = 0 without a bonus, nothing to draw)
         at = num_accepted[rows]
-        tokens[rows, at] = _draw_extra(
-            target_probs[rows, at], draft_probs, draft_tokens, rows, at, rejected[rows], noise, greedy
-        )
+        law = _draw_extra(target_probs[rows, at.clamp(max=target_probs.shape[1] - 1)], draft_probs, draft_tokens,
+                          rows, at, rejected[rows], noise, greedy)
+        tokens[rows, at] = torch.where(extra[rows], law, tokens[rows, at])
     return VerifyResult(tokens=tokens, num_emitted=num_accepted + extra.long(), num_accepted=num_accepted)
+
+
+def _extra_rows(extra: torch.Tensor, noise: Noise, greedy: bool) -> torch.Tensor:
+    """The batch rows whose correction/bonus token is drawn -> [R] (their token is written where ``extra`` [B]).
+
+    Greedy and counter or explicit noise give each row the same token whatever else is drawn, so every row is
+    drawn and ``extra`` masks the write: no read of ``extra`` on the host. A generator's draws must go to the
+    ``extra`` rows alone (rows that draw nothing consume nothing, so runs replay), which takes one read.
+    """
+    if greedy or noise.gumbels is not None or noise.seed is not None:
+        return torch.arange(extra.shape[0], device=extra.device)
+    return extra.nonzero().squeeze(-1)
 
 
 def _draw_extra(
@@ -278,7 +290,9 @@ def _draw_extra(
     if greedy:
         return target_row.argmax(-1)
     weights = target_row.float()
-    if rejected.any():
+    # Every row's residual is computed and ``rejected`` picks (asking whether any row was rejected is a read);
+    # without drafts (K = 0) nothing can be rejected.
+    if draft_tokens.shape[1]:
         if draft_probs is None:
             draft_row = torch.zeros_like(weights)
             drafted = draft_tokens[rows, at.clamp(max=draft_tokens.shape[1] - 1)]
@@ -357,15 +371,15 @@ def _verify_tree(draft_tokens, alternatives, draft_logits, target_logits, leaf_l
     tokens = torch.full((batch, width + 1), -1, dtype=torch.long, device=device)
     tokens[:, :width] = torch.where(torch.arange(width, device=device) < num_chain[:, None], draft_tokens,
                                     tokens[:, :width])
-    tokens[rows[took], at[took]] = candidates[rows[took], at[took], branch[took]]
+    tokens[rows, at] = torch.where(took, candidates[rows, at, branch], tokens[rows, at])
     depth = torch.where(took, at, -1)
     if leaf_logits is None:  # continuations follow (``_verify_branches``): no token after an alternative here
         extra = extra & ~took
     # The last token's law: the leaf after an accepted alternative, the residual left after a depth's
     # candidates were all rejected, or the bonus row after a full chain.
     last = torch.where(took, at + 1, num_chain)
-    need = extra.nonzero().squeeze(-1)
-    if need.numel():
+    need = _extra_rows(extra, noise, greedy)
+    if need.numel() and target_logits.shape[1]:
         bonus = target_logits[need, num_chain[need].clamp(max=target_logits.shape[1] - 1)]
         leaf = bonus if leaf_logits is None else leaf_logits[need, at[need], (branch[need] - 1).clamp(min=0)]
         if greedy:
@@ -376,7 +390,7 @@ def _verify_tree(draft_tokens, alternatives, draft_logits, target_logits, leaf_l
                                   torch.where(rejected[need, None], residual[need, at[need]],
                                               softmax(bonus, temperature).double()))
             law = (torch.log(weights) + noise.residual(need, weights.shape[-1], weights.device)).argmax(-1)
-        tokens[need, last[need]] = law
+        tokens[need, last[need]] = torch.where(extra[need], law, tokens[need, last[need]])
     return VerifyResult(tokens=tokens, num_emitted=num_accepted + extra.long(), num_accepted=num_accepted,
                         branch=branch, branch_depth=depth)
 
@@ -458,9 +472,9 @@ def normalise_counts(
         raise ValueError(f"target must have K={width} or K+1 rows per batch row, got {rows_given}")
     if num_drafts is None:
         num_drafts = torch.full((batch,), width, dtype=torch.long, device=draft_tokens.device)
-    if has_bonus is None:
+    if has_bonus is None:  # (no row then needs a bonus row it lacks: nothing to check, nothing to read)
         has_bonus = torch.full((batch,), rows_given == width + 1, dtype=torch.bool, device=draft_tokens.device)
-    if rows_given == width and bool((has_bonus & (num_drafts == width)).any()):
+    elif rows_given == width and bool((has_bonus & (num_drafts == width)).any()):
         raise ValueError("has_bonus needs a bonus row: pass target_probs with K+1 rows")
     return num_drafts.long(), has_bonus.bool()
 

@@ -144,7 +144,8 @@ def ar_spec(
                                    noise=Noise(generator=bind_rows(generator, rows)), **tree)
         if fed is not None:
             features = _keep_features(features, fed, rows, length, (batch, total), outcome)
-        stats.count_verification(num_drafts, outcome.num_accepted, outcome.num_emitted, outcome.branch)
+        stats.count_verification(num_drafts, outcome.num_accepted, outcome.num_emitted, outcome.branch,
+                                 width=drafts.shape[1])
         emitted, stopped = emitted_until_stop(outcome.tokens, outcome.num_emitted, eos_token_id)
         offsets = torch.arange(outcome.tokens.shape[1], device=seq.device)
         hit = offsets[None, :] < emitted[:, None]

@@ -181,7 +181,8 @@ class FefStepper:
         round -> (tokens [R, Ls], event fields); ``event``: the drafts and ``target_logits`` [R, W + 1, V] (what
         draft j was tested against, then the bonus), along the path verification followed with a draft tree
         (``tree_path``)."""
-        self.stats.count_verification(num_drafts, outcome.num_accepted, outcome.num_emitted, outcome.branch)
+        self.stats.count_verification(num_drafts, outcome.num_accepted, outcome.num_emitted, outcome.branch,
+                                      width=slots.shape[1])
         emitted = band.positions(torch.where(outcome.tokens >= 0, target_slots, -1))  # [R, W + 1], -1: nothing
         new_x = write_at(view.x, emitted, outcome.tokens, emitted >= 0)
         revealed = torch.where(emitted >= 0, emitted + view.offset, -1)

@@ -169,7 +169,8 @@ def two_stream_round(state: _Decoding, rows, in_block, temperature, generator, s
     outcome = rejection_sample(drafts, window_logits, target_logits, num_drafts, temperature=temperature,
                                has_bonus=has_bonus, noise=Noise(generator=generator), **verify)
     if window:
-        stats.count_verification(num_drafts, outcome.num_accepted, outcome.num_emitted, outcome.branch)
+        stats.count_verification(num_drafts, outcome.num_accepted, outcome.num_emitted, outcome.branch,
+                                 width=drafts.shape[1])
     else:
         stats.count_round(outcome.num_emitted)
 
