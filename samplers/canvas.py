@@ -41,6 +41,7 @@ class Canvas:
     mask_token_id: int
     eos_token_id: tuple[int, ...] | None = None  # stop ids (dllm.stops); the first one fills stopped rows
     finished: torch.Tensor | None = None  # [B] rows that stopped at EOS
+    _ahead: tuple | None = field(default=None, repr=False)  # the next block's pending rows, read along (left_in_block)
 
     @classmethod
     def start(cls, prompt: torch.Tensor, gen_length: int, block_length: int, mask_token_id: int,
@@ -67,13 +68,25 @@ class Canvas:
         """Unfinished rows with masked positions left in ``block`` [R], and how many each has left (host ints).
 
         The step's one read of the device (a host sync on a GPU): the loop must know whether to go on, and the
-        counts it reads along give every later shape of the step (a window's copies) without another read."""
-        start, end = self.span(block)
-        left = (self.x[:, start:end] == self.mask_token_id).sum(dim=1) * ~self.finished
+        counts it reads along give every later shape of the step (a window's copies) without another read. The
+        next block is read along: when this one is done, nothing changes before the loop asks for the next, so
+        a block's end costs no read of its own."""
+        if self._ahead is not None and self._ahead[0] == block:
+            found, self._ahead = self._ahead[1], None
+            return found
+        blocks = [b for b in (block, block + 1) if b < self.num_blocks]
+        masked = torch.stack([(self.x[:, slice(*self.span(b))] == self.mask_token_id).sum(dim=1) for b in blocks])
+        left = masked * ~self.finished
         counts = left.tolist()
+        found = [self._pending(left[i], counts[i]) for i in range(len(blocks))]
+        self._ahead = (block + 1, found[1]) if len(found) > 1 and not found[0][1] else None
+        return found[0]
+
+    @staticmethod
+    def _pending(left: torch.Tensor, counts: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """The rows with masked positions left [R] (by ``left`` [B], no read) and their counts (host ints)."""
         pending = [count for count in counts if count]
-        rows = torch.argsort((left == 0).int(), stable=True)[: len(pending)]  # the pending rows, in order
-        return rows, pending
+        return torch.argsort((left == 0).int(), stable=True)[: len(pending)], pending
 
     def stop_at_eos(self, rows: torch.Tensor) -> None:
         """Finish rows whose first revealed stop token has no mask before it, filling what follows it
@@ -290,9 +303,20 @@ class _Session:
 
     exact = True
 
-    def __init__(self, canvas: Canvas, caller: Caller):
+    def __init__(self, canvas: Canvas, caller: Caller, call_tokens: int | None = None):
         self.canvas, self.caller = canvas, caller
         self.native_at = capabilities(caller.model).logits_at  # the model answers logits_at itself
+        self.call_tokens = call_tokens  # the most token positions one forward holds (None: no limit)
+
+    def _split(self, tokens: torch.Tensor) -> list[slice]:
+        """Ranges of whole inputs holding at most ``call_tokens`` positions each (at least one input each): a
+        call of W copies over a long sequence is run in parts so that the forward's activations stay bounded
+        (the answer is the same; it counts as one call, ``forward_tokens`` unchanged)."""
+        n, length = tokens.shape
+        if self.call_tokens is None or n * length <= self.call_tokens:
+            return [slice(0, n)]
+        per = max(1, self.call_tokens // max(length, 1))
+        return [slice(i, min(n, i + per)) for i in range(0, n, per)]
 
     def begin_block(self, block: int) -> None:
         self.block = block
@@ -322,8 +346,12 @@ class FullSession(_Session):
                at: torch.Tensor | None = None):
         self.caller.count(tokens, len(rows))  # copies of a view row serve it once; every view row is served
         kwargs = self.caller.kwargs(rows[which], slice(0, tokens.shape[1]))
-        out = self.caller.model(tokens, **kwargs, **_hidden(hidden), **_ask(at, 0, self.native_at))
-        return _settle(out, tokens, at, 0, self.native_at)
+        outs = []
+        for part in self._split(tokens):  # a loop, not a comprehension: no frame between the session and the model
+            out = self.caller.model(tokens[part], **_part(kwargs, part), **_hidden(hidden),
+                                    **_ask(_part(at, part), 0, self.native_at))
+            outs.append(_settle(out, tokens[part], _part(at, part), 0, self.native_at))
+        return _join(outs)
 
     def structured(self, tokens, *args, rows):
         """The model's ``structured_verify`` on R rows; counted as one call over state + 2W + 1 tokens."""
@@ -340,8 +368,8 @@ class BlockCacheSession(_Session):
     them, so a new block needs no separate draft call).
     """
 
-    def __init__(self, canvas: Canvas, caller: Caller, lookahead: bool = False):
-        super().__init__(canvas, caller)
+    def __init__(self, canvas: Canvas, caller: Caller, lookahead: bool = False, call_tokens: int | None = None):
+        super().__init__(canvas, caller, call_tokens)
         self.lookahead = lookahead
         self.cache = caller.model.new_cache()
         self.cached_until = 0  # canvas positions [0, cached_until) are in the cache
@@ -363,7 +391,10 @@ class BlockCacheSession(_Session):
             chunk = self.canvas.x[:, self.cached_until : start]
             self.caller.count(chunk, len(chunk), self.cache)
             kwargs = self.caller.kwargs(torch.arange(len(chunk), device=chunk.device), slice(0, start))
-            check_logits(self.caller.model.forward_cached(chunk, self.cache, append=True, **kwargs), chunk)
+            none = chunk[:, :0]  # no logit is read: the fill only stores keys and values
+            out = self.caller.model.forward_cached(chunk, self.cache, append=True, **kwargs,
+                                                   **_ask(none, 0, self.native_at))
+            _settle(out, chunk, none, 0, self.native_at)
             self.cached_until = start
 
     def _span(self) -> tuple[int, int, int]:
@@ -379,16 +410,23 @@ class BlockCacheSession(_Session):
                at: torch.Tensor | None = None):
         served, rows = len(rows), rows[which]
         start, _, stop = self._span()
+        parts = self._split(tokens)
+        if len(parts) > 1:  # the commit below would fold the block in from the first part's rows only
+            self._fill(start)
         pending = start - self.cached_until  # a finished block not yet in the cache: commit it now
         if pending:
             tokens = torch.cat([self.canvas.x[rows, self.cached_until : start], tokens], dim=1)
         self.caller.count(tokens, served, self.cache)
-        out = self.caller.model.forward_cached(tokens, self.cache, rows=rows, append=False,
-                                               **({"commit": pending} if pending else {}), **_hidden(hidden),
-                                               **self.caller.kwargs(rows, slice(0, stop)),
-                                               **_ask(at, pending, self.native_at))
+        kwargs = {"rows": rows, **self.caller.kwargs(rows, slice(0, stop))}
+        outs = []
+        for part in parts:
+            out = self.caller.model.forward_cached(tokens[part], self.cache, append=False,
+                                                   **({"commit": pending} if pending else {}), **_hidden(hidden),
+                                                   **_part(kwargs, part),
+                                                   **_ask(_part(at, part), pending, self.native_at))
+            outs.append(_settle(out, tokens[part], _part(at, part), pending, self.native_at))
         self.cached_until = start
-        return _settle(out, tokens, at, pending, self.native_at)
+        return _join(outs)
 
     def structured(self, tokens, *args, rows):
         """As ``FullSession.structured``, the state read from the active block on against the cache."""
@@ -415,7 +453,9 @@ class PrefixCacheSession(_Session):
         x, cache = self.canvas.x, self.caller.model.new_cache()
         self.caller.count(x, len(x), cache)
         kwargs = self.caller.kwargs(torch.arange(len(x), device=x.device), slice(0, x.shape[1]))
-        check_logits(self.caller.model.forward_cached(x, cache, append=True, **kwargs), x)
+        none = x[:, :0]  # no logit is read: the call only fills the cache
+        _settle(self.caller.model.forward_cached(x, cache, append=True, **kwargs, **_ask(none, 0, self.native_at)),
+                x, none, 0, self.native_at)
         return cache
 
     def view(self, rows: torch.Tensor, masked: list[int] | None = None) -> View:
@@ -427,10 +467,13 @@ class PrefixCacheSession(_Session):
         served, rows = len(rows), rows[which]
         self.caller.count(tokens, served, self.cache)
         # The new tokens' mask columns are the last ones of keys=[0, L): answer positions, all ones.
-        out = self.caller.model.forward_cached(tokens, self.cache, rows=rows, append=False, **self._place(rows),
-                                               **self.caller.kwargs(rows, slice(0, self.canvas.x.shape[1])),
-                                               **_hidden(hidden), **_ask(at, 0, self.native_at))
-        return _settle(out, tokens, at, 0, self.native_at)
+        kwargs = {"rows": rows, **self._place(rows), **self.caller.kwargs(rows, slice(0, self.canvas.x.shape[1]))}
+        outs = []
+        for part in self._split(tokens):
+            out = self.caller.model.forward_cached(tokens[part], self.cache, append=False, **_part(kwargs, part),
+                                                   **_hidden(hidden), **_ask(_part(at, part), 0, self.native_at))
+            outs.append(_settle(out, tokens[part], _part(at, part), 0, self.native_at))
+        return _join(outs)
 
     def _place(self, rows: torch.Tensor) -> dict:
         """Extra keyword arguments that place the new tokens (none: they follow the cached prefix)."""
@@ -463,6 +506,22 @@ class DualCacheSession(PrefixCacheSession):
         return positions_from_mask(mask)
 
 
+def _part(values, part: slice):
+    """Inputs ``part`` of per-input ``values``: a tensor [N, ...], a dict of them, or None."""
+    if isinstance(values, dict):
+        return {key: value[part] for key, value in values.items()}
+    return None if values is None else values[part]
+
+
+def _join(outs: list):
+    """One answer from the answers of a call's parts (logits, or (logits, features) pairs)."""
+    if len(outs) == 1:
+        return outs[0]
+    if isinstance(outs[0], tuple):
+        return tuple(torch.cat(pieces) for pieces in zip(*outs))
+    return torch.cat(outs)
+
+
 def _hidden(hidden: bool) -> dict:
     """The model keyword asking for features too; absent unless asked, so bare logits functions work."""
     return {"return_hidden": True} if hidden else {}
@@ -489,9 +548,10 @@ class Stepper(Protocol):
 
 
 def open_session(cache: str, canvas: Canvas, model, stats: DecodeStats, attention_mask: torch.Tensor | None,
-                 lookahead: bool = False) -> Session:
+                 lookahead: bool = False, call_tokens: int | None = None) -> Session:
     """The session the resolved ``cache`` option picks for ``canvas``, with the prompt's padding ``attention_mask``
-    [B, P] extended over the answer and, for a block-causal model, each row's answer start as block offset."""
+    [B, P] extended over the answer and, for a block-causal model, each row's answer start as block offset;
+    ``call_tokens`` bounds the token positions of one forward (``_Session._split``)."""
     prompt, length = canvas.x[:, : canvas.prompt_length], canvas.x.shape[1]
     mask = None
     if attention_mask is not None:
@@ -504,7 +564,7 @@ def open_session(cache: str, canvas: Canvas, model, stats: DecodeStats, attentio
         offset = (attention_mask.sum(dim=1) if attention_mask is not None else real).long()
     mode = choose_session(cache, model, canvas.block_length)
     extra = {"lookahead": True} if mode == "block" and lookahead else {}
-    return SESSIONS[mode](canvas, Caller(model, stats, mask, offset), **extra)
+    return SESSIONS[mode](canvas, Caller(model, stats, mask, offset), call_tokens=call_tokens, **extra)
 
 
 def choose_session(cache: str, model, block_length: int) -> str:

@@ -38,7 +38,8 @@ def run(
                                  **_TWO_STREAM[make_stepper](options, model))
     canvas = Canvas.start(prompt, gen_length, block_length, model.mask_token_id, eos_token_id)
     stepper: Stepper = make_stepper(temperature, generator, stats, canvas.num_blocks, block_length, **options)
-    session = open_session(cache, canvas, model, stats, attention_mask, stepper.lookahead)
+    session = open_session(cache, canvas, model, stats, attention_mask, stepper.lookahead,
+                           getattr(stepper, "call_tokens", None))
     for block in range(canvas.num_blocks):
         session.begin_block(block)
         stepper.begin_block(block)

@@ -72,6 +72,7 @@ class FefStepper:
     # A draft tree (``_CopyTree``; on a two-stream model samplers/two_stream.py runs it), left to right
     draft_candidates: int = 1
     candidates_below: float | None = None
+    call_tokens: int | None = None  # the most token positions one forward holds: the copies call runs in parts
 
     def __post_init__(self) -> None:  # the source is chosen once, not per round
         head = FEF_HEAD if self.draft_head is None else self.draft_head

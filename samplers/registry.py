@@ -491,6 +491,9 @@ class FefConfig(SequentialConfig):
     draft_head: Any = option(None, _no_check, "str")  # draft="head": a folder or DraftHead; None: the shipped one
     draft_candidates: int = option(1, _int_at_least(1), "int")  # > 1: a draft tree, left to right
     candidates_below: float | None = option(None, _number(0.0, 1.0, optional=True), "float")  # tree: where unsure
+    # the most token positions (inputs x length) one forward holds: the verification call of W copies runs in
+    # parts of whole copies, bounding the forward's activations at a real width (same answer, more forwards)
+    call_tokens: int | None = option(None, _optional_int(1), "int")
     CHECKS: ClassVar[tuple] = (_check_verifier, _check_draft_head, _check_fef_tree)
 
     @property
