@@ -1,4 +1,4 @@
-"""The ``dllm`` command line: ``generate``, ``eval``, ``bench`` and ``train``."""
+"""The ``dllm`` command line: ``generate``, ``eval``, ``bench``, ``train``, ``plan`` and ``study``."""
 
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ _DEFAULT_PROMPT = "Tom has 3 bags with 4 apples each. How many apples does Tom h
 
 USAGE = 2  # bad input (a flag's value, a missing folder), as argparse and `dllm eval` exit
 INTERRUPTED = 130  # Ctrl-C, as a shell reports SIGINT
-_COMMANDS = {"eval": "dllm.eval.runner", "bench": "dllm.eval.bench", "train": "dllm.train"}
+_COMMANDS = {"eval": "dllm.eval.runner", "bench": "dllm.eval.bench", "train": "dllm.train", "plan": "dllm.eval.planner",
+             "study": "dllm.eval.real_shape"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,7 +44,10 @@ def _dispatch(argv: list[str]) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub.add_parser("generate", help="generate text (default: the shipped diffusion model with fef)"))
     for name, text in [("eval", "evaluate on GSM8K, MATH, HumanEval, MBPP, synthetic"),
-                       ("bench", "AR vs diffusion speed study"), ("train", "train the small default models")]:
+                       ("bench", "AR vs diffusion speed study"), ("train", "train the small default models"),
+                       ("plan", "the peak memory a model, batch, length and sampler will need (before renting a card)"),
+                       ("study", "real-shape study: random weights at LLaDA-8B/Dream-7B shapes, memory and time "
+                                 "per round (dllm study real-shape)")]:
         sub.add_parser(name, help=text)
     return _generate(parser.parse_args(argv))
 

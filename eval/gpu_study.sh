@@ -13,13 +13,20 @@
 # on the shipped models' own shapes, projected from the same results: compare its projected speedups with
 # the measured ones to see how far "forward time is all that counts" holds on this device); head_cost/ (fef's
 # draft-head steps against the state call at HEAD_ARCH's shape, default llada-8b: eval/head_cost.py); trees/
-# (configs/bench_trees.toml at batch 1 on the shipped models: draft trees against chains, ar_spec and fef).
+# (configs/bench_trees.toml at batch 1 on the shipped models: draft trees against chains, ar_spec and fef);
+# real_shape/ and real_shape_compile/ (eval/real_shape.py: REAL_ARCH, default llada-8b, random bf16 weights at
+# REAL_LAYERS, default its full depth on a GPU, loaded by dllm.load from a hub-layout folder; sequential and fef w8 at
+# batch 1 and 8: peak memory above the weights beside `dllm plan`'s, time per round, the sampler's share, syncs per
+# round; the second folder with each layer's attention and MLP under torch.compile). Writing the full-depth random
+# checkpoint (16 GB for LLaDA-8B, kept in REAL_CACHE) and loading it once per run adds several minutes.
 #
 # Overrides (environment): MODEL_AR, MODEL_DIFFUSION, MODEL_DRAFTER (folders; default the shipped models),
 # PROMPTS, NUM_PROMPTS, MAX_NEW_TOKENS, BATCH_SIZE, REPEATS, WARMUP, THREADS, COST_ROLES (name=arch,...; a
 # name may repeat to project onto several targets),
 # COST_ARCHS (extra archs, comma-separated), COST_ROWS, COST_TOKENS, COST_CONTEXTS, COST_LAYERS, COST_REPS,
-# SELFCHECK (0 to skip), HEAD_ARCH, HEAD_LAYERS, HEAD_COST (0 to skip), TREES (0 to skip), PYTHON.
+# SELFCHECK (0 to skip), HEAD_ARCH, HEAD_LAYERS, HEAD_COST (0 to skip), TREES (0 to skip), REAL_SHAPE (0 to skip),
+# REAL_ARCH, REAL_LAYERS, REAL_BATCHES, REAL_SAMPLERS, REAL_NEW_TOKENS, REAL_TIME_LIMIT, REAL_COMPILE (0 to skip the
+# compiled runs), REAL_CACHE, PYTHON.
 set -euo pipefail
 
 OUT=${1:-runs/gpu_study_$(date +%Y%m%d_%H%M%S)}
@@ -40,6 +47,15 @@ else
 fi
 : "${PROMPTS:=synthetic}" "${WARMUP:=1}" "${SELFCHECK:=1}" "${COST_ARCHS:=}" "${HEAD_COST:=1}" "${HEAD_ARCH:=llada-8b}" "${TREES:=1}"
 if [[ "$SMALL" == 1 ]]; then : "${HEAD_LAYERS:=1,2}"; else : "${HEAD_LAYERS:=2,4}"; fi
+: "${REAL_SHAPE:=1}" "${REAL_ARCH:=llada-8b}" "${REAL_BATCHES:=1,8}" "${REAL_SAMPLERS:=sequential,fef:window=8}"
+: "${REAL_CACHE:=$HOME/.cache/dllm/real_shape}" "${REAL_COMPILE:=1}"
+if [[ "$SMALL" == 1 ]]; then  # a CPU: 2 layers, short answers, no compiled runs
+  : "${REAL_LAYERS:=2}" "${REAL_NEW_TOKENS:=64}" "${REAL_TIME_LIMIT:=300}"
+  REAL_COMPILE=0
+else
+  : "${REAL_LAYERS:=$("$PY" -c "from dllm.eval.cost_model import ARCHS; print(ARCHS['$REAL_ARCH']['n_layers'])")}"
+  : "${REAL_NEW_TOKENS:=256}" "${REAL_TIME_LIMIT:=300}"
+fi
 
 shipped() { "$PY" -c "from dllm.eval.bench import DEFAULT_MODELS; print(DEFAULT_MODELS['$1'])"; }
 MODEL_AR=${MODEL_AR:-$(shipped ar)}
@@ -88,5 +104,18 @@ if [[ "$TREES" != 0 ]]; then
   "$PY" -m dllm.eval.bench "${common[@]}" --config-file configs/bench_trees.toml --num-prompts "$NUM_PROMPTS" \
     --max-new-tokens "$MAX_NEW_TOKENS" --repeats "$REPEATS" --warmup "$WARMUP" --output "$OUT/trees" 2>&1 \
     | tee "$OUT/trees.log"
+fi
+if [[ "$REAL_SHAPE" != 0 ]]; then
+  real=(--arch "$REAL_ARCH" --layers "$REAL_LAYERS" --dtype "${DTYPE:-bfloat16}" --device "${DEVICE:-auto}"
+        --batch-sizes "$REAL_BATCHES" --samplers "$REAL_SAMPLERS" --prompt-length 30 --max-new-tokens "$REAL_NEW_TOKENS"
+        --time-limit "$REAL_TIME_LIMIT" --cache-dir "$REAL_CACHE")
+  [[ -n "${THREADS:-}" ]] && real+=(--threads "$THREADS")
+  echo "== real-shape study: $REAL_ARCH, random weights, $REAL_LAYERS layers, $REAL_SAMPLERS at batch $REAL_BATCHES"
+  "$PY" -m dllm.eval.real_shape "${real[@]}" --output "$OUT/real_shape" 2>&1 | tee "$OUT/real_shape.log"
+  if [[ "$REAL_COMPILE" != 0 ]]; then
+    echo "== real-shape study under torch.compile (each layer's attention and MLP)"
+    "$PY" -m dllm.eval.real_shape "${real[@]}" --compile --output "$OUT/real_shape_compile" 2>&1 \
+      | tee "$OUT/real_shape_compile.log"
+  fi
 fi
 echo "== done: $OUT"

@@ -262,7 +262,8 @@ def test_gpu_study_script_runs_small_on_cpu(tiny_models, tmp_path):
            "REPEATS": "1", "THREADS": "1", "COST_ROLES": "ar=tiny,diffusion=tiny-bidirectional,diffusion=tiny+block4,"
            "drafter=tiny", "COST_ROWS": "1,2",
            "COST_TOKENS": "1,4", "COST_CONTEXTS": "0,8", "COST_REPS": "1", "SELF_ROWS": "1,2", "SELF_TOKENS": "1,4",
-           "SELF_CONTEXTS": "0,8", "HEAD_ARCH": "tiny-bidirectional"}
+           "SELF_CONTEXTS": "0,8", "HEAD_ARCH": "tiny-bidirectional",
+           "REAL_SHAPE": "0"}  # a real shape is gigabytes even at 2 layers: tests/test_real_shape.py covers the tool
     done = subprocess.run(["bash", str(ROOT / "eval" / "gpu_study.sh"), str(tmp_path)], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

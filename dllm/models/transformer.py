@@ -586,7 +586,7 @@ class TransformerLM(nn.Module):
                 tree_mask=None) -> Tensor:
         """Last-layer states of the inputs (before the final norm), appended to ``cache`` if asked.  # [B, L, dim]"""
         mask = self._attention_mask(position_ids, query_valid, explicit, cache, block_offset, tree_mask)
-        h, new_kv = self.layer_states(input_ids, position_ids, mask, cache)
+        h, new_kv = self.layer_states(input_ids, position_ids, mask, cache, keep=use_cache)
         if use_cache:
             cache.append(new_kv, position_ids, query_valid, h if self.config.shift_logits else None)
         return h
@@ -679,9 +679,11 @@ class TransformerLM(nn.Module):
         return rearrange(mask, "b q k -> b 1 q k")
 
     def layer_states(self, input_ids: Tensor, position_ids: Tensor, mask: Tensor,
-                     cache: KVCache | None = None) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
+                     cache: KVCache | None = None, keep: bool = True) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
         """The layers under a given mask: last-layer states [B, L, dim] (before the final norm) and each
-        layer's new keys/values [B, H, L, head_dim], the cache left as it is.
+        layer's new keys/values [B, H, L, head_dim], the cache left as it is; with ``keep`` False none are kept
+        (an empty list): a call that appends nothing would otherwise hold every layer's keys and values, and
+        the projections they view, until it returns (most of a full-depth verification call's memory).
 
         mask: [B, 1, L, cached + L] bool (True = attend) over ``cache``'s keys then the inputs'. Other
         attention layouts over these weights call this (``dllm.models.two_stream``)."""
@@ -693,7 +695,8 @@ class TransformerLM(nn.Module):
         for index, layer in enumerate(self.layers):
             past = cache.layer(index) if cache is not None and cache.length else None
             h, k, v = layer(h, cos, sin, mask, past)
-            new_kv.append((k, v))
+            if keep:
+                new_kv.append((k, v))
         return h, new_kv
 
     def head(self, h: Tensor, hidden: bool = False, full_precision: bool = True) -> Tensor | tuple[Tensor, Tensor]:

@@ -157,7 +157,7 @@ class TwoStreamLM(nn.Module):
         mask = _stream_mask(content_valid, query_sees, content_sees, content_extra, query_extra)  # [R, C + Q, C + Q]
         if past is not None and past.length:
             mask = torch.cat([past.valid[:, None, :].expand(-1, mask.shape[1], -1), mask], dim=2)
-        h, new_kv = self.base.layer_states(tokens, positions, rearrange(mask, "b q k -> b 1 q k"), past)
+        h, new_kv = self.base.layer_states(tokens, positions, rearrange(mask, "b q k -> b 1 q k"), past, keep=append)
         if append:
             if cache is None:
                 raise ValueError("streams(append=True) needs a cache")
