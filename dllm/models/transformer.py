@@ -271,9 +271,12 @@ class _Block(nn.Module):
         self.mlp_norm = _RMSNorm(config.dim, config.norm_eps)
         self.mlp = _SwiGLU(config.dim, config.mlp_hidden)
 
-    def forward(self, x, cos, sin, mask, past) -> tuple[Tensor, Tensor, Tensor]:
-        """Same arguments as _Attention.forward; returns (x [B, L, dim], k, v)."""
+    def forward(self, x, cos, sin, mask, past, keep: bool = True) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """Same arguments as _Attention.forward; returns (x [B, L, dim], k, v), k and v None unless ``keep`` (v
+        views the whole q/k/v projection: dropped before the MLP, the layer's peak is smaller)."""
         attended, k, v = self.attn(self.attn_norm(x), cos, sin, mask, past)
+        if not keep:
+            k = v = None
         x = x + attended
         return x + self.mlp(self.mlp_norm(x)), k, v
 
@@ -694,7 +697,7 @@ class TransformerLM(nn.Module):
         new_kv = []
         for index, layer in enumerate(self.layers):
             past = cache.layer(index) if cache is not None and cache.length else None
-            h, k, v = layer(h, cos, sin, mask, past)
+            h, k, v = layer(h, cos, sin, mask, past, keep)
             if keep:
                 new_kv.append((k, v))
         return h, new_kv
