@@ -463,8 +463,9 @@ def _set_pending(state: _Decoding, rows, outcome, emitted) -> None:
     if ids.shape[1] != 1:  # the prompt was pending: every row takes part in the first round
         if rows.numel() != batch:
             raise RuntimeError("two-stream decoding: the first round must include every row")
-        ids, pos, valid = (ids[:, :1].clone(), pos[:, :1].clone(),
-                           torch.zeros((batch, 1), dtype=torch.bool, device=ids.device))
+        # one fresh column per row (an empty prompt has none to reuse); every row's is written below
+        ids, pos = ids.new_full((batch, 1), state.mask_id), pos.new_zeros((batch, 1))
+        valid = torch.zeros((batch, 1), dtype=torch.bool, device=ids.device)
     index = torch.arange(rows.numel(), device=rows.device)
     token = outcome.tokens[index, outcome.num_accepted]
     column = emitted[index, outcome.num_accepted]

@@ -143,6 +143,17 @@ def test_samplers_are_exact(model, sampler, options, order, temperature, block_l
     assert chi_square_pvalue(out.sequences[:, 3:], law) > ALPHA
 
 
+@pytest.mark.parametrize("sampler,options", [("sequential", {}), ("fef", {"window": 2}), ("fef", {"window": 4})])
+def test_an_empty_prompt_decodes_exactly(model, sampler, options):
+    """No prompt: the first round's pending content is empty (it crashed before) and the law is still the chain's."""
+    empty = PROMPT[:0]
+    law = enumerated_law(model, empty, 4, 1.0, "left_to_right", 2)
+    with torch.no_grad():
+        out = dllm.generate(model, empty[None].expand(3000, -1), sampler=sampler, max_new_tokens=4, temperature=1.0,
+                            generator=torch.Generator().manual_seed(0), eos_token_id=None, block_length=2, **options)
+    assert chi_square_pvalue(out.sequences, law) > ALPHA
+
+
 def test_factorized_parallel_unmasking_fails(model):
     """The test has power: llada revealing a whole block from its marginals is not the chain."""
     law = enumerated_law(model, PROMPT, 4, 1.0, "left_to_right", 4)
