@@ -568,9 +568,11 @@ class TransformerLM(nn.Module):
         if use_cache and cache is None:
             raise ValueError("use_cache=True needs a cache to append to: pass cache=model.new_cache()")
         query_valid, explicit = _query_mask(attention_mask, input_ids)
+        bound = None  # a host bound of the positions: derived ones never pass cached keys + inputs
         if position_ids is None:
             start = cache.next_position()[:, None] if cache is not None and cache.length else 0
             position_ids = start + positions_from_mask(query_valid)
+            bound = (cache.length if cache is not None else 0) + input_ids.shape[1]
         if tree_mask is not None:
             if explicit is not None:
                 raise ValueError("tree_mask takes a 2-D padding attention_mask, not an explicit 3-D/4-D mask")
@@ -578,7 +580,8 @@ class TransformerLM(nn.Module):
                 shape = [*input_ids.shape, input_ids.shape[1]]
                 raise ValueError(f"tree_mask must be a bool tensor [B, L, L] = {shape}, "
                                  f"got {tree_mask.dtype} {list(tree_mask.shape)}")
-        h = self._hidden(input_ids, position_ids, query_valid, explicit, cache, use_cache, block_offset, tree_mask)
+        h = self._hidden(input_ids, position_ids, query_valid, explicit, cache, use_cache, block_offset, tree_mask,
+                         bound)
         if self.config.shift_logits:
             h = _previous_states(h, position_ids, query_valid, cache)
         if logits_at is not None:
@@ -586,10 +589,10 @@ class TransformerLM(nn.Module):
         return self.head(h, hidden=return_hidden, full_precision=logits_at is None)
 
     def _hidden(self, input_ids, position_ids, query_valid, explicit, cache, use_cache, block_offset,
-                tree_mask=None) -> Tensor:
+                tree_mask=None, bound: int | None = None) -> Tensor:
         """Last-layer states of the inputs (before the final norm), appended to ``cache`` if asked.  # [B, L, dim]"""
         mask = self._attention_mask(position_ids, query_valid, explicit, cache, block_offset, tree_mask)
-        h, new_kv = self.layer_states(input_ids, position_ids, mask, cache, keep=use_cache)
+        h, new_kv = self.layer_states(input_ids, position_ids, mask, cache, keep=use_cache, bound=bound)
         if use_cache:
             cache.append(new_kv, position_ids, query_valid, h if self.config.shift_logits else None)
         return h
@@ -682,16 +685,17 @@ class TransformerLM(nn.Module):
         return rearrange(mask, "b q k -> b 1 q k")
 
     def layer_states(self, input_ids: Tensor, position_ids: Tensor, mask: Tensor,
-                     cache: KVCache | None = None, keep: bool = True) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
+                     cache: KVCache | None = None, keep: bool = True,
+                     bound: int | None = None) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
         """The layers under a given mask: last-layer states [B, L, dim] (before the final norm) and each
         layer's new keys/values [B, H, L, head_dim], the cache left as it is; with ``keep`` False none are kept
         (an empty list): a call that appends nothing would otherwise hold every layer's keys and values, and
         the projections they view, until it returns (most of a full-depth verification call's memory).
 
         mask: [B, 1, L, cached + L] bool (True = attend) over ``cache``'s keys then the inputs'. Other
-        attention layouts over these weights call this (``dllm.models.two_stream``)."""
-        # Default positions never exceed cached keys + inputs; explicit ones may (then they are read once).
-        self._check_positions(position_ids, (cache.length if cache is not None else 0) + position_ids.shape[1])
+        attention layouts over these weights call this (``dllm.models.two_stream``). ``bound``: a host-known upper
+        bound of ``position_ids`` (``_check_positions``); without one their maximum is read."""
+        self._check_positions(position_ids, bound)
         cos, sin = self.rotary(position_ids)
         h = self.tok_embeddings(input_ids)
         new_kv = []
