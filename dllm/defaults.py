@@ -30,6 +30,35 @@ def default_draft_head(model) -> str:
     from dllm.protocols import capabilities
 
     return TWO_STREAM_HEAD if capabilities(model).reveal_order_cache else FEF_HEAD
+
+class _MaxNew:
+    """The default of an option that takes the value of ``max_new_tokens`` (one block, one step per token)."""
+
+    def __repr__(self) -> str:
+        return "max_new_tokens"
+
+
+MAX_NEW = _MaxNew()
+
+# Every sampler option's default, by sampler, and only here: the configs of samplers/ read them (a config that
+# extends another inherits its table: fef extends sequential, ar_spec extends ar, every masked-diffusion sampler
+# has "masked"). A model may declare settings measured fastest on it (Capabilities.sampler_defaults), which
+# generate applies where the caller sets nothing; tests/test_configs.py holds the configs to this table.
+SAMPLER_DEFAULTS: dict[str, dict[str, object]] = {
+    "ar": {"cache": "auto"},
+    "ar_spec": {"drafter": "ngram", "num_draft_tokens": 4, "max_ngram": 3, "draft_head": None,
+                "draft_confidence": None, "draft_candidates": 1, "candidates_below": None},
+    "masked": {"block_length": MAX_NEW, "cache": "auto"},
+    "llada": {"steps": MAX_NEW, "remasking": "low_confidence", "cfg_scale": 0.0},
+    "dream": {"steps": MAX_NEW, "alg": "maskgit_plus", "alg_temp": None, "top_p": None, "top_k": None},
+    "fast_dllm": {"threshold": None, "factor": None},
+    "eb": {"gamma": 0.01},
+    "sequential": {"order": "left_to_right"},
+    "fef": {"window": FEF_WINDOW, "draft": FEF_DRAFT, "verifier": "copies", "draft_head": None,
+            "draft_candidates": 1, "candidates_below": None, "call_tokens": None},
+    "native": {"generate_kwargs": None, "drafter": None},
+}
+
 # New tokens per answer: enough for a GSM8K chain of thought. `dllm eval` caps this default at what the
 # model's context leaves after the longest prompt (an explicit --max-new-tokens is checked strictly).
 MAX_NEW_TOKENS = 256

@@ -91,12 +91,12 @@ def is_causal_model(model: object) -> bool:
 #   window in one pass (see dllm/models/transformer.py); fef's ``verifier='structured'`` needs it.
 #
 # native_loop: ``model.native_loop(prompt, max_new_tokens, *, temperature, attention_mask, ...)`` returns a
-#   ``dllm.counting.NativeLoop`` (the call to run and the modules to count); samplers/native.py
+#   ``dllm.counting.NativeLoop`` (the call to run and the modules to count); samplers/baselines/native.py
 #   runs the checkpoint's own sampler (``sampler='native'``).
 #
 # reveal_order_cache / one_pass_exact: the two-stream layout (dllm/models/two_stream.py): ``new_cache(B)``
 #   and ``streams(content, positions, valid, query_pos, query_sees, cache=, rows=, append=)``; sequential and
-#   fef then run samplers/two_stream.py, whose one-pass window verification is the chain itself.
+#   fef then run samplers/fef/two_stream.py, whose one-pass window verification is the chain itself.
 #
 # logits_at (logits only where they are read): ``model(input_ids, ..., logits_at=at)`` and
 #   ``forward_cached(..., logits_at=at)`` with ``at`` a LongTensor [N, K] of input positions return logits

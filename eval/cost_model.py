@@ -46,7 +46,7 @@ from dllm.models.loading import detect_kind
 from dllm.models.native import dream_config, llada_config
 from dllm.models.transformer import TransformerConfig, TransformerLM
 from dllm.protocols import is_causal_model
-from dllm.samplers.canvas import choose_session
+from dllm.samplers.sessions import choose_session
 
 # Target shapes (dims from the models' published configs). head_dim is dim / n_heads in TransformerLM.
 ARCHS: dict[str, dict[str, Any]] = {

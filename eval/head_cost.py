@@ -10,7 +10,7 @@ only where they cost little against the round's backbone call. Measured here, at
   weights at a few depths, fitted to the target's full depth): without a cache, one forward over the
   ``--context`` tokens before the block and the ``--block`` tokens of it (LLaDA's bidirectional layout); with
   the block cache, the block alone against ``--context`` cached tokens (the block-diffusion shape);
-- the head's W steps (``samplers/fef_head.py: head_drafts``: its start, then per slot one cached step and
+- the head's W steps (``samplers/fef/sources.py: head_drafts``: its start, then per slot one cached step and
   one draw, at T=0 and T=1), an untrained head of ``--head-dim`` x ``--head-layers`` reading the backbone's
   features and logits (its output layer is the vocabulary's width, as the shipped heads').
 
@@ -31,7 +31,7 @@ import torch
 from dllm.cli import UserError, check_device
 from dllm.defaults import auto_dtype
 from dllm.models.draft_head import DraftHead, DraftHeadConfig
-from dllm.samplers.fef_head import head_drafts
+from dllm.samplers.fef.sources import head_drafts
 
 from .cost_model import ARCHS, _fit, _prefilled_cache, _time, arch_config, build, building
 

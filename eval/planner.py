@@ -25,7 +25,7 @@ positions per input (T = rows x t):
   heads (g = 1) k and v repeated to every head), or the attention mask while it is built if larger (two more
   copies), plus the mask itself (rows x t x (c + t) bool) and the rotary tables (T x head_dim x 4 x 2).
 - logits: the call's logits at the head, rows x K x V x (b + 4): the model's dtype, then float32 for the rows
-  read (``samplers/canvas.py: _settle``; b + 0 in float32, where the cast is a no-op).
+  read (``samplers/sessions.py: _settle``; b + 0 in float32, where the cast is a no-op).
 - sampler buffers (float32 [rows, K, V] and [R, W + 1, V] tensors the round keeps): see ``_calls``.
 - fef's ``call_tokens`` runs a call in parts of whole inputs with at most that many positions: the forward terms
   are one part's, plus the float32 logits of the parts before it.
@@ -129,7 +129,7 @@ def _kv(shape: dict) -> int:
 
 def geometry(shape: dict, dtype: str, batch: int, prompt: int, new: int, sampler: str, options: dict) -> Geometry:
     """The widest round's numbers for these (validated, filled) options."""
-    from dllm.samplers.canvas import choose_session
+    from dllm.samplers.sessions import choose_session
 
     block = options["block_length"]
     session = choose_session(options["cache"], _stub(shape), block)
@@ -165,7 +165,7 @@ def _stub(shape: dict):
 
 def _calls(sampler: str, o: dict, g: Geometry, temperature: float) -> list[_Call]:
     """The widest round's calls (their inputs) and the float32 buffers the round holds around each, as the code
-    of ``samplers/sequential.py`` and ``samplers/fef.py`` keeps them (R = batch rows, all active).
+    of ``samplers/sequential/`` and ``samplers/fef/`` keeps them (R = batch rows, all active).
 
     sequential: one state call; holds nothing between calls. fef (copies verifier): marginal drafts make a state
     call (copy 0, kept as the draft logits [R, K, V]), drafts are gathered and masked ([R, W, V] twice), then one

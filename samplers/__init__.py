@@ -1,4 +1,10 @@
-"""Samplers (installed as dllm.samplers): one module per family, one shared verification core."""
+"""Samplers (installed as dllm.samplers): one package per family, one shared verification core.
+
+Families: ``fef/``, ``sequential/``, ``ar_spec/`` (``ar``, ``ar_spec``), ``baselines/`` (``llada``, ``dream``,
+``fast_dllm``, ``eb``, ``native``). Shared: ``registry`` (the table of names), ``options`` (configs and their
+checks), ``canvas`` and ``sessions`` (the masked samplers' canvas and how the model is called), ``loop`` (their
+block loop), ``order``, ``drafting`` and ``verify``.
+"""
 
 from .registry import SAMPLERS, SamplerSpec, parse_options, typed_options
 from .sequential import sequential_distribution

@@ -25,11 +25,11 @@ from dllm.models.ar_heads import (
 from dllm.models.oracle import HMMOracle
 from dllm.models.transformer import TransformerConfig, TransformerLM
 from dllm.samplers import sequential_distribution
+from dllm.samplers.ar_spec import ar_spec
+from dllm.samplers.ar_spec.drafters import DiffusionDrafter, Draft, DraftContext
+from dllm.samplers.ar_spec.heads import EagleDrafter, RepairDrafter
+from dllm.samplers.sessions import Caller
 from dllm.stats import DecodeStats
-from samplers.ar import ar_spec
-from samplers.canvas import Caller
-from samplers.drafters import DiffusionDrafter, Draft, DraftContext
-from samplers.head_drafters import EagleDrafter, RepairDrafter
 
 from stat_tools import ALPHA, chi_square_pvalue, sharp
 

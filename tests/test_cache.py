@@ -320,8 +320,8 @@ def test_block_drafter_logits_equal_each_row_alone(cached):
     """Over rounds of ragged growth, with left padding and a row dropped midway, the drafter's logits at
     each row's draft positions equal one call on that row alone (padding stripped), blocks anchored at the
     answer start and the canvas ending with its last draft's block."""
-    from dllm.samplers.canvas import Caller
-    from dllm.samplers.drafters import block_draft_logits as _block_draft_logits
+    from dllm.samplers.ar_spec.drafters import block_draft_logits as _block_draft_logits
+    from dllm.samplers.sessions import Caller
     from dllm.stats import DecodeStats
 
     drafter = tiny("block_causal", seed=3)  # block_size 4

@@ -12,7 +12,10 @@ from dllm import defaults
 from dllm.models.oracle import HMMOracle, OracleCausalView
 from dllm.models.transformer import TransformerConfig, TransformerLM
 from dllm.samplers import SAMPLERS
-from dllm.samplers.registry import ArSpecConfig, FastDllmConfig, FefConfig, LladaConfig, SequentialConfig
+from dllm.samplers.ar_spec import ArSpecConfig
+from dllm.samplers.baselines import FastDllmConfig, LladaConfig
+from dllm.samplers.fef import FefConfig
+from dllm.samplers.sequential import SequentialConfig
 
 
 def _block_causal(block_size=2) -> TransformerLM:
@@ -27,6 +30,39 @@ def test_registry_maps_each_name_to_its_config_and_options_come_from_its_fields(
         config = spec.config()  # every option has its default, written once on the field
         assert {k: o.default for k, o in spec.options.items()} == config.values(), name
     assert (FefConfig().window, FefConfig().draft) == (defaults.FEF_WINDOW, defaults.FEF_DRAFT)
+
+
+def _table_of(config) -> dict:
+    """The defaults table's entries a config reads: its own and those of the configs it extends."""
+    names = {"ArConfig": "ar", "ArSpecConfig": "ar_spec", "BlockConfig": "masked", "LladaConfig": "llada",
+             "DreamConfig": "dream", "FastDllmConfig": "fast_dllm", "EbConfig": "eb", "SequentialConfig": "sequential",
+             "FefConfig": "fef", "NativeConfig": "native"}
+    table = {}
+    for cls in reversed(config.__mro__):
+        table.update(defaults.SAMPLER_DEFAULTS.get(names.get(cls.__name__), {}))
+    return table
+
+
+def test_every_option_default_is_the_one_tables_and_the_table_has_no_orphan():
+    """dllm.defaults.SAMPLER_DEFAULTS is the one place a sampler option's default is written."""
+    used = set()
+    for name, spec in SAMPLERS.items():
+        table = _table_of(spec.config)
+        assert {k: o.default for k, o in spec.options.items()} == table, name
+        used |= {(family, option) for family, entries in defaults.SAMPLER_DEFAULTS.items() for option in entries
+                 if option in spec.options and table.get(option) is entries[option]}
+    assert used == {(family, option) for family, entries in defaults.SAMPLER_DEFAULTS.items() for option in entries}
+
+
+def test_a_window_longer_than_the_block_is_said_not_silently_capped():
+    model = _block_causal(block_size=4)
+    with pytest.warns(UserWarning, match=r"window=6 is longer than block_length=4: .*capped"):
+        FefConfig(window=6).validate(model, max_new_tokens=8)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        FefConfig(window=4).validate(model, max_new_tokens=8)  # a window that fits says nothing
 
 
 def test_validate_fills_model_dependent_defaults_and_stays_frozen():

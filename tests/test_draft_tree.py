@@ -20,11 +20,11 @@ from dllm.models.oracle import HMMOracle
 from dllm.models.transformer import TransformerConfig, TransformerLM
 from dllm.numerics import sample_from_logits, sample_more
 from dllm.samplers import sequential_distribution
+from dllm.samplers.ar_spec.decode import _target_rows, _tree_rows
+from dllm.samplers.drafting import Draft
+from dllm.samplers.sessions import Caller
+from dllm.samplers.verify import rejection_sample
 from dllm.stats import DecodeStats
-from samplers.ar import _target_rows, _tree_rows
-from samplers.canvas import Caller
-from samplers.drafters import Draft
-from samplers.verify import rejection_sample
 
 from stat_tools import ALPHA, chi_square_pvalue, sharp
 

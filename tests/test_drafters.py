@@ -7,8 +7,8 @@ import torch
 from dllm.models.oracle import HMMOracle
 from dllm.numerics import bind_rows, sample_from_logits
 from dllm.samplers import sequential_distribution
-from dllm.samplers.ar import ar_spec
-from dllm.samplers.drafters import CausalDrafter, Draft, DraftContext, Drafter, NgramDrafter
+from dllm.samplers.ar_spec import ar_spec
+from dllm.samplers.ar_spec.drafters import CausalDrafter, Draft, DraftContext, Drafter, NgramDrafter
 from dllm.stats import DecodeStats
 
 from stat_tools import ALPHA, chi_square_pvalue
@@ -107,7 +107,7 @@ MASK = 9
 def test_stale_drafts_reuse_the_verified_copy_on_the_moved_band():
     """Stale logits are stored on the round's band (canvas positions from each row's first masked one) and read
     back on the next round's band, shifted by how far it moved; only a row's first round calls the model."""
-    from dllm.samplers.drafters import MarginalDrafts, StaleDrafts
+    from dllm.samplers.fef.sources import MarginalDrafts, StaleDrafts
 
     source, view = StaleDrafts(window=2), FakeView(offset=2, active=slice(0, 3))  # band: 2W + 2 = 6 positions
     logits, is_state, band = source.logits(view)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dllm.samplers.masked import _filter_logits
+from dllm.samplers.baselines.steppers import _filter_logits
 
 REPO = Path(__file__).resolve().parents[1]
 # The repository sits beside shared/; a helper's worktree (wt/<name>) sits one level deeper.

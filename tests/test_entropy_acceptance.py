@@ -10,7 +10,7 @@ import dllm
 from dllm.eval import bench
 from dllm.models.oracle import HMMOracle
 from dllm.models.transformer import TransformerConfig, TransformerLM
-from dllm.samplers.canvas import choose_session
+from dllm.samplers.sessions import choose_session
 from dllm.stats import EntropyAcceptance, draft_outcomes, linear_fit, target_entropy
 
 

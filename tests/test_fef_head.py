@@ -12,13 +12,13 @@ import pytest
 import torch
 
 import dllm
-import dllm.samplers.fef as fef_module
+import dllm.samplers.fef.round as fef_module
 from dllm.models.draft_head import DraftHead, DraftHeadConfig
 from dllm.models.oracle import HMMOracle, InconsistentModel
 from dllm.models.transformer import TransformerConfig, TransformerLM
 from dllm.protocols import Capabilities
 from dllm.samplers import sequential_distribution
-from dllm.samplers.fef_head import HeadDrafts
+from dllm.samplers.fef.sources import HeadDrafts
 
 from stat_tools import ALPHA, chi_square_pvalue
 
@@ -221,7 +221,7 @@ def test_shipped_head_drafts_for_the_shipped_model():
     greedy output is sequential's; bench-style option text parses to the same options."""
     from pathlib import Path
 
-    from dllm.samplers.registry import parse_options
+    from dllm.samplers import parse_options
 
     model = TransformerLM.from_pretrained(Path(dllm.__file__).parent / "weights" / "diffusion")
     prompt = torch.tensor([[3, 10, 11, 12, 13, 14]])

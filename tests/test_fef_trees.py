@@ -1,5 +1,5 @@
 """fef's draft trees with the copies verifier (``draft_candidates`` > 1 on a model that verifies with block
-copies: ``samplers/fef.py: _CopyTree``): each sibling roots a branch drafted after it, and every branch depth
+copies: ``samplers/fef/trees.py: CopyTree``): each sibling roots a branch drafted after it, and every branch depth
 brings one copy of the block with its path revealed. The law stays ``sequential``'s.
 
 Chi-square against the enumerated chain on an order-dependent model (so a copy that reveals the wrong tokens
@@ -16,7 +16,7 @@ import torch
 from test_fef_head import WithFeatures, random_head, tiny_block_causal
 
 import dllm
-import dllm.samplers.fef as fef_module
+import dllm.samplers.fef.round as fef_module
 from dllm.models.oracle import HMMOracle, InconsistentModel
 from dllm.samplers import sequential_distribution
 
@@ -92,7 +92,7 @@ def test_copy_trees_exact_with_block_cache(temperature):
 def test_branch_copies_that_hide_their_continuation_fail(model, monkeypatch):
     """The test has power: branch copies that reveal the sibling but not the continuation drafts after it (so
     the targets there condition on the wrong prefix) are not the chain."""
-    real = fef_module._CopyTree.add_copies
+    real = fef_module.CopyTree.add_copies
 
     def hiding(self, x, positions, count, copies, row_of):
         path = self.path.clone()
@@ -103,7 +103,7 @@ def test_branch_copies_that_hide_their_continuation_fail(model, monkeypatch):
         finally:
             self.path = path
 
-    monkeypatch.setattr(fef_module._CopyTree, "add_copies", hiding)
+    monkeypatch.setattr(fef_module.CopyTree, "add_copies", hiding)
     out = _sample(model, 1.0, window=4, block_length=4, draft_candidates=3)
     law = sequential_distribution(model, PROMPT, GEN, block_length=4)
     assert chi_square_pvalue(out.sequences[:, PROMPT.numel():], law) < ALPHA

@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from dllm import load
 from dllm.models.hf import DreamAdapter, LLaDAAdapter
 from dllm.models.remote import RemoteCodeError, check_rotary
-from dllm.samplers.native import native
+from dllm.samplers.baselines.native import native
 from dllm.stats import DecodeStats
 
 IDS = torch.tensor([[2, 20, 21, 299, 299, 1]])

@@ -5,7 +5,7 @@ import torch
 
 import dllm
 from dllm.models.transformer import TransformerConfig, TransformerLM
-from dllm.samplers.canvas import SESSIONS, Session, session_exact
+from dllm.samplers.sessions import SESSIONS, Session, session_exact
 
 
 def _model(layout):
@@ -51,7 +51,8 @@ def test_counting_model_counts_through_one_record_and_forwards_only_what_the_mod
 @pytest.mark.parametrize("cache", ["none", "block"])
 def test_a_session_returns_the_features_of_the_call_it_makes(cache):
     """Draft heads read features through the session: the exact block cache gives the full call's."""
-    from dllm.samplers.canvas import Caller, Canvas, choose_session
+    from dllm.samplers.canvas import Canvas
+    from dllm.samplers.sessions import Caller, choose_session
     from dllm.stats import DecodeStats
 
     model = _model("block_causal")
@@ -70,21 +71,21 @@ def test_a_session_returns_the_features_of_the_call_it_makes(cache):
 
 
 def test_every_masked_sampler_runs_the_one_loop_with_a_stepper_of_the_protocol():
-    """The registry's run function is ``diffusion.run`` with a stepper factory bound; every stepper it builds
-    declares what the loop reads (``samplers.canvas.Stepper``): lookahead, begin_block, logits, step."""
+    """The registry's run function is ``loop.run`` with the family's ``Stepping`` bound; every stepper it builds
+    declares what the loop reads (``samplers.sessions.Stepper``): lookahead, begin_block, logits, step."""
     import functools
 
-    from dllm.samplers import SAMPLERS, diffusion
+    from dllm.samplers import SAMPLERS, loop
     from dllm.stats import DecodeStats
 
     model = _model("block_causal")
     for name, spec in SAMPLERS.items():
         if spec.model_kind != "diffusion":
             continue
-        assert isinstance(spec.run, functools.partial) and spec.run.func is diffusion.run, name
+        assert isinstance(spec.run, functools.partial) and spec.run.func is loop.run, name
         options = spec.configure({}, model=model, max_new_tokens=8).values()
         block = options.pop("block_length")
         options.pop("cache")
-        stepper = spec.run.args[0](1.0, torch.Generator(), DecodeStats(), 8 // block, block, **options)
+        stepper = spec.run.args[0].build(1.0, torch.Generator(), DecodeStats(), 8 // block, block, **options)
         assert isinstance(stepper.lookahead, bool), name
         assert all(callable(getattr(stepper, part)) for part in ("begin_block", "logits", "step")), name

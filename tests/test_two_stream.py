@@ -1,4 +1,4 @@
-"""The two-stream layout (dllm/models/two_stream.py) and its samplers (samplers/two_stream.py).
+"""The two-stream layout (dllm/models/two_stream.py) and its samplers (samplers/fef/two_stream.py).
 
 The ground truth is the law enumerated from the layout's own definition (uncached calls, one per decision
 state): the product of query conditionals in the order the sampler's rule reveals positions.
@@ -290,7 +290,7 @@ def test_shipped_two_stream_model_greedy_fef_is_sequential():
         assert runs[1].exact and all(torch.equal(runs[0].sequences, r.sequences) for r in runs[1:])
 
 
-# ---- fef's draft="head" on this layout (samplers/two_stream.py, dllm/training/two_stream_head.py) ----
+# ---- fef's draft="head" on this layout (samplers/fef/two_stream.py, dllm/training/two_stream_head.py) ----
 
 
 def _random_head(model, seed=0, scale=3.0):
@@ -319,7 +319,7 @@ def test_fef_with_a_random_head_is_exact(model, window, order, temperature, bloc
 
 def test_head_drafts_reported_as_the_marginals_fail(model, monkeypatch):
     """The test has power: sampling from the head but handing the verifier the stored marginals is not exact."""
-    import dllm.samplers.two_stream as two_stream
+    import dllm.samplers.fef.two_stream as two_stream
 
     real = two_stream.head_drafts
 
@@ -349,7 +349,7 @@ def test_an_untrained_head_drafts_the_marginals(model):
     """Zero correction at init, step 0 included (condition_first): the logits drafts are drawn from are the
     stored query logits, so an untrained head is fef's plain two-stream drafting."""
     from dllm.models.draft_head import DraftHead
-    from dllm.samplers.fef_head import head_drafts
+    from dllm.samplers.fef.sources import head_drafts
 
     head = DraftHead(_random_head(model).config).eval()
     torch.manual_seed(1)
@@ -563,12 +563,12 @@ def test_pairs_split_holds_out_the_last_pairs(tmp_path):
     assert not {id(e) for step in range(4) for e in train.step_examples(0, step, 2)} & {id(e) for e in held}
 
 
-# ---- fef's draft trees on this layout (draft_candidates; samplers/two_stream.py: _Tree) ----
+# ---- fef's draft trees on this layout (draft_candidates; samplers/fef/two_stream.py: _Tree) ----
 
 def _branches(monkeypatch):
     """Spy on the verifier: how many rows accepted a sibling (a list, appended per round; its attribute
     ``continued``: how many of them accepted continuation drafts after it)."""
-    import dllm.samplers.two_stream as two_stream
+    import dllm.samplers.fef.two_stream as two_stream
 
     class Taken(list):
         pass
@@ -613,7 +613,7 @@ def test_fef_draft_trees_are_exact(model, monkeypatch, draft, candidates, below,
 def test_a_sibling_whose_queries_do_not_see_it_fails(model, monkeypatch):
     """The test has power: leaf queries that miss their sibling (so the token after it is drawn from the
     target after the chain's prefix instead) are not the chain."""
-    import dllm.samplers.two_stream as two_stream
+    import dllm.samplers.fef.two_stream as two_stream
 
     real = two_stream._Tree.inputs
 
@@ -630,7 +630,7 @@ def test_a_sibling_whose_queries_do_not_see_it_fails(model, monkeypatch):
 def test_a_branch_whose_queries_see_only_its_sibling_fails(model, monkeypatch):
     """The test has power for the continuations: branch queries that see the sibling but not the
     continuation drafts after it (so the targets there condition on the wrong prefix) are not the chain."""
-    import dllm.samplers.two_stream as two_stream
+    import dllm.samplers.fef.two_stream as two_stream
 
     real = two_stream._Tree.inputs
 
@@ -675,7 +675,7 @@ def test_after_a_taken_sibling_the_next_window_drafts_from_queries_that_saw_it(m
     """After a sibling's branch is accepted to its end, the branch's own lookahead queries become the stored
     draft logits (and, with a head, features): equal to an uncached call that sees every revealed token but
     the pending one (what the chain's lookahead gives after a full window)."""
-    import dllm.samplers.two_stream as two_stream
+    import dllm.samplers.fef.two_stream as two_stream
 
     real, verify, checked, outcomes = two_stream.two_stream_round, two_stream.rejection_sample, [], []
 

@@ -1,4 +1,7 @@
-"""Key/value cache for :class:`dllm.models.transformer.TransformerLM`: a prefix computed once, reused.
+"""The project's caches, named for what they hold: ``KVCache`` (keys/values of a prefix, computed once and
+reused by :class:`dllm.models.transformer.TransformerLM`) and ``RevealCache`` (the two-stream layout's
+content stream, in reveal order, over every canvas row). The adapters' caches share ``SizedCache``; how the
+samplers use a cache (block, prefix, dual; rolled back for ar_spec) is ``samplers/sessions.py``.
 
 Exact (same logits as recomputing the prefix) for causal attention, and for block-causal attention
 while the cache holds only whole blocks that come before every new query. For bidirectional attention
@@ -151,3 +154,58 @@ class KVCache(SizedCache):
         keys, values = [k[rows] for k in self.keys], [v[rows] for v in self.values]
         hidden = None if self.hidden is None else self.hidden[rows]
         return KVCache(keys, values, self.positions[rows], self.valid[rows], hidden)
+
+
+class RevealCache:
+    """Content-stream keys/values of every canvas row, in reveal order (a ``KVCache`` over all B rows).
+
+    Calls run on a subset of rows; the other rows get invalid placeholder entries so that every row's
+    entries stay aligned. Rejected drafts are marked invalid (``keep``), never attended again.
+    """
+
+    def __init__(self, batch: int):
+        self.batch = batch
+        self.kv = KVCache()
+
+    @property
+    def length(self) -> int:
+        return self.kv.length
+
+    def rows(self, rows: Tensor) -> KVCache:
+        """The cache of ``rows`` [R] (a view of all rows when rows is everything)."""
+        if self.kv.length == 0 or (rows.numel() == self.batch and bool((rows == torch.arange(
+                self.batch, device=rows.device)).all())):
+            return self.kv
+        return self.kv.select(rows)
+
+    def extend(self, rows: Tensor, kv: list[tuple[Tensor, Tensor]], positions: Tensor, valid: Tensor) -> None:
+        """Append new content entries of ``rows`` [R] (kv [R, H, C, D] per layer, positions/valid [R, C])."""
+        if rows.numel() != self.batch:
+            def spread(t: Tensor, fill=0) -> Tensor:
+                out = t.new_full((self.batch, *t.shape[1:]), fill)
+                out[rows] = t
+                return out
+
+            kv = [(spread(k), spread(v)) for k, v in kv]
+            positions, valid = spread(positions), spread(valid, False)
+        self.kv.append(kv, positions, valid)
+
+    def keep(self, rows: Tensor, keep: Tensor) -> None:
+        """Of the last C entries of ``rows`` [R], keep those flagged in ``keep`` [R, C] (the rest are dropped)."""
+        width = keep.shape[1]
+        tail = self.kv.valid[:, -width:].clone()
+        tail[rows] &= keep
+        self.kv.valid = torch.cat([self.kv.valid[:, :-width], tail], dim=1)
+
+    def compact(self, min_unused: float = 0.0) -> None:
+        """Drop entries that no row keeps (rejected drafts, placeholders): less attention, same logits.
+        Only once they are at least ``min_unused`` of the cache (copying the keys/values costs too)."""
+        if self.kv.length == 0:
+            return
+        used = self.kv.valid.any(dim=0)
+        if bool(used.all()) or float((~used).float().mean()) < min_unused:
+            return
+        index = used.nonzero().squeeze(-1)
+        kv = self.kv
+        self.kv = KVCache([k[:, :, index] for k in kv.keys], [v[:, :, index] for v in kv.values],
+                          kv.positions[:, index], kv.valid[:, index])

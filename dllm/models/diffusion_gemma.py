@@ -95,7 +95,8 @@ class DiffusionGemmaAdapter(_HFAdapter):
     def capabilities(self) -> Capabilities:
         """Blocks of ``canvas_length`` with logits only inside them, an exact encoder cache, its own generate."""
         # needs_prompt: its encoder reads the tokens before the active block, so there must be some.
-        # block_logits_only: samplers' blocks must nest inside the model's (see samplers/registry.py).
+        # block_logits_only: samplers' blocks must nest inside the model's (samplers/options.py:
+        # SamplerConfig.validate).
         # The cache neither crops nor drops (sliding-window layers keep only their window).
         return dataclasses.replace(super().capabilities, block_size=self.block_size, block_logits_only=True,
                                    needs_prompt=True, cache=True, cache_exact=self.cache_exact, native_loop=True)

@@ -28,67 +28,12 @@ import torch
 from einops import rearrange
 from torch import Tensor, nn
 
-from dllm.models.cache import KVCache
+from dllm.models.cache import RevealCache
 from dllm.models.transformer import TransformerLM
 from dllm.numerics import positions_from_mask
 from dllm.protocols import Capabilities
 
 MARKER = "two_stream.json"  # beside config.json: the folder holds a TwoStreamLM, not a plain TransformerLM
-
-
-class RevealCache:
-    """Content-stream keys/values of every canvas row, in reveal order (a ``KVCache`` over all B rows).
-
-    Calls run on a subset of rows; the other rows get invalid placeholder entries so that every row's
-    entries stay aligned. Rejected drafts are marked invalid (``keep``), never attended again.
-    """
-
-    def __init__(self, batch: int):
-        self.batch = batch
-        self.kv = KVCache()
-
-    @property
-    def length(self) -> int:
-        return self.kv.length
-
-    def rows(self, rows: Tensor) -> KVCache:
-        """The cache of ``rows`` [R] (a view of all rows when rows is everything)."""
-        if self.kv.length == 0 or (rows.numel() == self.batch and bool((rows == torch.arange(
-                self.batch, device=rows.device)).all())):
-            return self.kv
-        return self.kv.select(rows)
-
-    def extend(self, rows: Tensor, kv: list[tuple[Tensor, Tensor]], positions: Tensor, valid: Tensor) -> None:
-        """Append new content entries of ``rows`` [R] (kv [R, H, C, D] per layer, positions/valid [R, C])."""
-        if rows.numel() != self.batch:
-            def spread(t: Tensor, fill=0) -> Tensor:
-                out = t.new_full((self.batch, *t.shape[1:]), fill)
-                out[rows] = t
-                return out
-
-            kv = [(spread(k), spread(v)) for k, v in kv]
-            positions, valid = spread(positions), spread(valid, False)
-        self.kv.append(kv, positions, valid)
-
-    def keep(self, rows: Tensor, keep: Tensor) -> None:
-        """Of the last C entries of ``rows`` [R], keep those flagged in ``keep`` [R, C] (the rest are dropped)."""
-        width = keep.shape[1]
-        tail = self.kv.valid[:, -width:].clone()
-        tail[rows] &= keep
-        self.kv.valid = torch.cat([self.kv.valid[:, :-width], tail], dim=1)
-
-    def compact(self, min_unused: float = 0.0) -> None:
-        """Drop entries that no row keeps (rejected drafts, placeholders): less attention, same logits.
-        Only once they are at least ``min_unused`` of the cache (copying the keys/values costs too)."""
-        if self.kv.length == 0:
-            return
-        used = self.kv.valid.any(dim=0)
-        if bool(used.all()) or float((~used).float().mean()) < min_unused:
-            return
-        index = used.nonzero().squeeze(-1)
-        kv = self.kv
-        self.kv = KVCache([k[:, :, index] for k in kv.keys], [v[:, :, index] for v in kv.values],
-                          kv.positions[:, index], kv.valid[:, index])
 
 
 class TwoStreamLM(nn.Module):
@@ -145,7 +90,7 @@ class TwoStreamLM(nn.Module):
         content's keys/values join the cache (tentatively: ``RevealCache.keep`` drops rejected ones).
         ``hidden``: ``(logits, features [R, Q, dim])``, the final-normed query states (a draft head's input).
 
-        A draft tree (samplers/two_stream.py) puts the branch of a sibling of draft d_j after the chain: its
+        A draft tree (samplers/fef/two_stream.py) puts the branch of a sibling of draft d_j after the chain: its
         tokens see the content before d_j (``content_sees``) and the branch before them (``content_extra``), so
         the branch is revealed right after d_<j; its queries see the same prefix and branch (``query_extra``)."""
         n, width = content_ids.shape

@@ -12,7 +12,7 @@ keys/values are cached; masked positions are read by queries that see a prefix o
    at the next position in ``order`` (left_to_right) or at every masked position of the block
    (confidence, whose pick needs them all). Plus lookahead queries seeing all drafts: the next round's
    draft logits beyond the window. Copy k's queries are exactly the call ``sequential`` makes after
-   revealing d_<k, so copy k must pick s_k (as in samplers/fef.py); the first that does not ends the
+   revealing d_<k, so copy k must pick s_k (as in samplers/fef/round.py); the first that does not ends the
    drafts and its pick is the bonus position;
 4. ``rejection_sample`` (samplers/verify.py) accepts while u < target/draft, then one correction or bonus;
 5. reveal; accepted drafts stay in the cache, rejected ones are dropped, the correction is pending.
@@ -35,17 +35,23 @@ at LLaDA's vocabulary for 8 rows of 512 answer tokens in float32 (to chunk, or k
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from dllm.counting import CountingModel
+from dllm.defaults import default_draft_head
+from dllm.models.draft_head import load_draft_head
 from dllm.numerics import bind_rows, forbid_token, positions_from_mask
+from dllm.protocols import capabilities
 from dllm.stats import DecodeStats, StepEvent
 
-from .canvas import Canvas
-from .drafters import Draft, independent_drafts, more_candidates
-from .fef_head import branch_paths, head_drafts
-from .order import choose_window, top1_probability
-from .verify import Continuations, Noise, rejection_sample, tree_path
+from ..canvas import Canvas
+from ..drafting import Draft, independent_drafts, more_candidates
+from ..order import choose_window, top1_probability
+from ..verify import Continuations, Noise, rejection_sample, tree_path
+from .sources import head_drafts
+from .trees import branch_paths
 
 
 class _Decoding:
@@ -502,3 +508,19 @@ def _store_drafts(state, rows, logits, features, q_col, q_copy, q_valid, num_acc
     if features is not None:
         state.draft_features[rows[r], q_col[r, q] - state.start] = features[r, q]
     state.have[rows[r], q_col[r, q]] = True
+
+
+def layout(model, options: dict):
+    """The run function of fef (or, with ``window`` 0, sequential) on a two-stream model: ``decode`` with the
+    sampler's options bound (fef's verifier does not apply: the layout verifies a window in one call); None on a
+    model without the reveal-order cache (the block loop's stepper runs there)."""
+    if not capabilities(model).reveal_order_cache:
+        return None
+    if options["window"] == 0:
+        return functools.partial(decode, order=options["order"], window=0)
+    head = None
+    if options["draft"] == "head":  # the head given, else the model's default one
+        head = load_draft_head(default_draft_head(model) if options["draft_head"] is None else options["draft_head"])
+    return functools.partial(decode, order=options["order"], window=options["window"], sampler="fef", draft_head=head,
+                             draft_candidates=options["draft_candidates"],
+                             candidates_below=options["candidates_below"])

@@ -31,22 +31,10 @@ from dataclasses import dataclass
 
 import torch
 
-from dllm.numerics import bind_rows, forbid_token, sample_from_logits, sample_more
+from dllm.numerics import bind_rows, forbid_token, sample_from_logits
 
-from .canvas import Band, Caller
-from .order import read_band
-
-
-@dataclass(frozen=True)
-class Draft:
-    """One round's proposal for R rows."""
-
-    tokens: torch.Tensor  # [R, K] drafted tokens (placeholders past ``count``)
-    logits: torch.Tensor | None  # [R, K, V] the logits they were sampled from; None: point masses
-    count: torch.Tensor  # [R] valid drafts per row
-    # Each draft's law does not depend on the drafts before it (a diffusion drafter's marginals): the chain's
-    # own drafts then continue any draft tree branch (ar_spec's trees give siblings branches)
-    independent: bool = False
+from ..drafting import Draft
+from ..sessions import Caller
 
 
 @dataclass(frozen=True)
@@ -150,110 +138,6 @@ class DiffusionDrafter(Drafter):
             self.kv = self.kv.select(kept)
 
 
-class MarginalDrafts:
-    """fef's ``draft="marginal"``: a model call on the current state, which also serves as verify copy 0.
-
-    Every call of a round reads logits on one band per row (``band``): left to right the window and the bonus
-    position after it, W + 1 positions from the first masked one; in another order the active block."""
-
-    lookahead = False  # the session need not score the next block
-    wants_next = False  # the round need not hand over the verified copy matching the new state
-
-    def __init__(self, order: str = "left_to_right", window: int = 4):
-        self.order, self.window = order, window
-
-    def band(self, view) -> Band:
-        """The view positions every call of this round reads, per row."""
-        return read_band(self.order, view, self.window + 1)
-
-    def logits(self, view) -> tuple[torch.Tensor, bool, Band]:
-        """Draft logits for the view's rows on their band [R, K, V], whether they are the model at ``view.x``,
-        and the band."""
-        band = self.band(view)
-        return view.call(view.x, torch.arange(view.x.shape[0], device=view.x.device), at=band.at()), True, band
-
-    def observe(self, view, next_logits: torch.Tensor, band: Band) -> None:
-        """After a round (``wants_next``): ``next_logits`` [R, K, V] on ``band`` are the verified copy matching
-        the new state."""
-
-    def sample(self, view, draft_logits: torch.Tensor, positions: torch.Tensor, temperature: float,
-               generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """Drafts at the window ``positions`` [R, W] (slots of the band) -> (tokens [R, W], the logits they were
-        drawn from [R, W, V], mask token forbidden). Here independent draws from ``draft_logits`` [R, K, V]; a
-        source that conditions draft j on drafts 0..j-1 (a draft head) overrides this and stays exact as long as
-        it returns the very logits it sampled from."""
-        rows = torch.arange(positions.shape[0], device=positions.device)
-        return independent_drafts(draft_logits[rows[:, None], positions], view.mask_token_id, temperature, generator)
-
-
-class StaleDrafts(MarginalDrafts):
-    """fef's ``draft="stale"``: the previous round's verified copy (no draft call); a fresh call in a row's
-    first round.
-
-    Its band reaches further than the marginal one, so that the copy matching the new state also covers the
-    next round's window: left to right 2W + 2 positions (a round emits at most W + 1 tokens, so the next window
-    starts at most W + 1 on), in another order the active block and the next one (``lookahead``: the block
-    cache's view holds it). Every later window lies inside what the last round stored, by construction, so no
-    check reads the device."""
-
-    lookahead = True  # each call also scores the next block, so its first round can draft stale too
-    wants_next = True
-
-    def __init__(self, order: str = "left_to_right", window: int = 4) -> None:
-        super().__init__(order, window)
-        self.stale: torch.Tensor | None = None  # [B, K, V] per canvas row, on its band
-        self.start: torch.Tensor | None = None  # [B] canvas position of each row's first stored slot
-
-    def band(self, view) -> Band:
-        return read_band(self.order, view, 2 * self.window + 2, ahead=True)
-
-    def logits(self, view) -> tuple[torch.Tensor, bool, Band]:
-        band = self.band(view)
-        if self.stale is None:  # the state call itself, not through super(): one frame fewer below generate
-            return view.call(view.x, torch.arange(view.x.shape[0], device=view.x.device), at=band.at()), True, band
-        shift = band.start + view.offset - self.start[view.rows]  # [R] >= 0: the band moved right
-        slots = (shift[:, None] + torch.arange(band.width, device=shift.device)).clamp(max=self.stale.shape[1] - 1)
-        # slots past what was stored hold the last stored column: past the next window, never read
-        return self.stale[view.rows].gather(1, slots[..., None].expand(-1, -1, self.stale.shape[2])), False, band
-
-    def observe(self, view, next_logits: torch.Tensor, band: Band) -> None:
-        if self.stale is None:
-            self.stale = next_logits.new_zeros((view.batch, *next_logits.shape[1:]))
-            self.start = band.start.new_zeros(view.batch)
-        self.stale[view.rows] = next_logits
-        self.start[view.rows] = band.start + view.offset
-
-
-def more_candidates(draft: Draft, count: int, temperature: float, generator, rows: torch.Tensor,
-                    below: float | None = None) -> torch.Tensor:
-    """``count`` more candidates per draft position, drawn without replacement from the law the draft itself
-    was drawn from, the draft removed -> [R, K, count] long (-1: none; past the row's valid drafts, where the
-    law has no token left, or, with ``below``, where the draft's temperature-1 probability is not below it;
-    point-mass drafts have none). Each row draws from its own generator stream (``bind_rows``), after its
-    drafts. Which positions get candidates depends on the proposal alone, so verification stays exact."""
-    if draft.logits is None:
-        return torch.full((*draft.tokens.shape, count), -1, dtype=torch.long, device=draft.tokens.device)
-    logits = draft.logits.reshape(-1, draft.logits.shape[-1])
-    flat_rows = rows.repeat_interleave(draft.tokens.shape[1])
-    more = sample_more(logits, draft.tokens.reshape(-1), count, temperature, bind_rows(generator, flat_rows))
-    if below is not None:
-        sure = torch.softmax(logits.float(), -1).gather(-1, draft.tokens.reshape(-1, 1)) >= below
-        more = torch.where(sure, -1, more)
-    valid = torch.arange(draft.tokens.shape[1], device=more.device) < draft.count[:, None]  # [R, K]
-    return torch.where(valid[..., None], more.view(*draft.tokens.shape, count), -1)
-
-
-def independent_drafts(window_logits: torch.Tensor, mask_id: int, temperature: float,
-                       generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Independent drafts from a window's marginals [R, W, V] -> (tokens [R, W], their logits with the
-    mask token forbidden [R, W, V]), one per-row generator stream per row (``bind_rows``)."""
-    logits = forbid_token(window_logits, mask_id)
-    flat = logits.reshape(-1, logits.shape[-1])
-    rows = torch.arange(logits.shape[0], device=logits.device).repeat_interleave(logits.shape[1])
-    tokens = sample_from_logits(flat, temperature, bind_rows(generator, rows)).reshape(logits.shape[:2])
-    return tokens, logits
-
-
 def append_at_lengths(seq: torch.Tensor, length: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """Each row's sequence with ``tokens`` [R, K] written after its end -> [R, max(len) + K] (right padded)."""
     width = tokens.shape[1]
@@ -289,6 +173,7 @@ def _at_drafts(out, mask_id):
         return forbid_token(out[0], mask_id), out[1]
     return forbid_token(out, mask_id)
 
+
 def block_draft_logits(drafter, caller, seq, rows, length, width, prompt_len, kv, features=False):
     """Marginals of a block-causal drafter at the next ``width`` positions -> [R, K, V].
 
@@ -320,6 +205,7 @@ def block_draft_logits(drafter, caller, seq, rows, length, width, prompt_len, kv
         # Blocks before min(length)'s block hold final tokens in every row and never see later blocks.
         kv.crop(prompt_len + (int(length.min()) - prompt_len) // block * block)
     return _at_drafts(logits, drafter.mask_token_id)
+
 
 def causal_drafts(caller, seq, rows, length, width, temperature, generator, kv=None):
     """``width`` sequential draft calls of a causal drafter -> (drafts [R, K], their logits [R, K, V]).

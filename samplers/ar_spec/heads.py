@@ -33,7 +33,8 @@ from dllm.models.ar_heads import (
 from dllm.numerics import bind_rows, sample_from_logits
 from dllm.protocols import capabilities, is_diffusion_model
 
-from .drafters import DiffusionDrafter, Draft, Drafter, block_draft_logits, diffusion_draft_logits
+from ..drafting import Draft
+from .drafters import DiffusionDrafter, Drafter, block_draft_logits, diffusion_draft_logits
 
 
 def _sample(logits: torch.Tensor, ctx) -> torch.Tensor:

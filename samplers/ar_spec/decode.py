@@ -19,9 +19,9 @@ logits at position i depend only on tokens <= i, so whatever follows a row's end
   from the target's own features, which the verification call returns (``return_hidden``), k head
   steps a round, or a DFlash head (a ``dflash`` head folder) drafting the k tokens in one head call; a
   DiffusionModel drafter with ``draft_head`` a repair head has its block rewritten left to right
-  (``samplers/head_drafters.py``). ``draft_confidence`` gives the EAGLE head EAGLE-2's dynamic draft
+  (``samplers/ar_spec/heads.py``). ``draft_confidence`` gives the EAGLE head EAGLE-2's dynamic draft
   length: a round's drafts end at the first one the head gave a probability below it (still exact).
-Each is a ``Drafter`` object (``samplers/drafters.py``, which says how to add one), built once from the
+Each is a ``Drafter`` object (``samplers/ar_spec/drafters.py``, which says how to add one), built once from the
 ``drafter`` option; the loop calls only its ``propose`` and ``rollback``. The shared verification
 (``samplers/verify.py``) makes the output distributed exactly as ``ar`` at the same temperature.
 
@@ -43,28 +43,18 @@ placeholders that ``num_drafts`` excludes). ``ar_spec`` therefore fits any conte
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
 from dllm.numerics import bind_rows, positions_from_mask, sample_from_logits
-from dllm.protocols import capabilities, has_cache, is_diffusion_model, rolls_back
+from dllm.protocols import capabilities, is_diffusion_model
 from dllm.stats import DecodeStats, StepEvent
 from dllm.stops import emitted_until_stop, fill_token, is_stop
 
-from .canvas import Caller, check_logits
-from .drafters import (
-    CausalDrafter,
-    DiffusionDrafter,
-    Draft,
-    DraftContext,
-    Drafter,
-    NgramDrafter,
-    append_at_lengths,
-    more_candidates,
-)
-from .head_drafters import head_drafter
-from .verify import Continuations, Noise, rejection_sample, tree_path
+from ..drafting import Draft, more_candidates
+from ..sessions import Caller, check_logits, rollback_cache, use_cache
+from ..verify import Continuations, Noise, rejection_sample, tree_path
+from .drafters import CausalDrafter, DiffusionDrafter, DraftContext, Drafter, NgramDrafter, append_at_lengths
+from .heads import head_drafter
 
 
 def ar(
@@ -76,7 +66,7 @@ def ar(
     seq = _buffer(prompt, gen_length, eos_token_id)
     caller = Caller(model, stats, attention_mask=_full_mask(attention_mask, batch, seq.shape[1] + 1, prompt.device))
     rows = torch.arange(batch, device=prompt.device)
-    kv = model.new_cache() if _use_cache(cache, model) else None
+    kv = model.new_cache() if use_cache(cache, model) else None
     for t in range(gen_length):
         end = prompt_len + t
         start = 0 if kv is None else kv.length
@@ -117,7 +107,7 @@ def ar_spec(
     caller = Caller(model, stats, attention_mask=full_mask)
     lengths = torch.full((batch,), prompt_len, dtype=torch.long, device=prompt.device)
     rows = torch.arange(batch, device=prompt.device)
-    kv = _rollback_cache(model) if _use_cache(cache, model) else None  # holds [0, min(len) - 1) of every row
+    kv = rollback_cache(model) if use_cache(cache, model) else None  # holds [0, min(len) - 1) of every row
     proposer = _make_drafter(drafter, Caller(drafter, stats, attention_mask=full_mask, draft=True), cache, max_ngram,
                              prompt_len, draft_head, model, draft_confidence)
     features = None  # [B, P + N, D] the target's features at every position fed so far, for a drafter that wants them
@@ -182,22 +172,6 @@ def _feature_context(features, rows, length, width: int, full_mask) -> tuple[tor
     return features[rows[:, None], at], valid
 
 
-def _rollback_cache(model):
-    """A new cache for speculative decoding, which rolls back rejected drafts every round; None (run
-    uncached, same results) when the model's cache cannot roll back (sliding-window or linear layers)."""
-    kv = model.new_cache()
-    if rolls_back(kv):
-        return kv
-    warnings.warn(f"{type(model).__name__}'s cache cannot roll back rejected drafts; ar_spec runs it uncached",
-                  stacklevel=3)
-    return None
-
-
-def _use_cache(cache: str, model) -> bool:
-    """The KV cache is exact for causal models, so ``auto`` uses it whenever the model has one."""
-    return cache != "none" and has_cache(model)
-
-
 def _buffer(prompt: torch.Tensor, gen_length: int, eos_token_id: tuple[int, ...] | None) -> torch.Tensor:
     """[B, P + N] holding the prompt, then the fill token (dllm.stops) where rows stop early."""
     seq = torch.full((prompt.shape[0], prompt.shape[1] + gen_length), fill_token(eos_token_id), dtype=torch.long,
@@ -217,19 +191,19 @@ def _full_mask(attention_mask, batch: int, length: int, device) -> torch.Tensor 
 
 def _make_drafter(drafter, caller: Caller, cache: str, max_ngram: int, prompt_len: int, draft_head=None,
                   target=None, confidence=None) -> Drafter:
-    """The ``drafter`` option as a Drafter (samplers/drafters.py), chosen once so the loop never dispatches."""
+    """The ``drafter`` option as a Drafter (samplers/ar_spec/drafters.py), chosen once so the loop never dispatches."""
     if isinstance(drafter, Drafter):
         return drafter
-    if drafter == "head" or draft_head is not None:  # trained heads: samplers/head_drafters.py
+    if drafter == "head" or draft_head is not None:  # trained heads: samplers/ar_spec/heads.py
         block = None if isinstance(drafter, str) else _block_size(drafter)
-        kv = _rollback_cache(drafter) if block and _use_cache(cache, drafter) else None
+        kv = rollback_cache(drafter) if block and use_cache(cache, drafter) else None
         return head_drafter(drafter, draft_head, target, caller, block, prompt_len, kv, confidence)
     if isinstance(drafter, str):
         return NgramDrafter(max_ngram)
     if not is_diffusion_model(drafter):
-        return CausalDrafter(caller, _rollback_cache(drafter) if _use_cache(cache, drafter) else None)
+        return CausalDrafter(caller, rollback_cache(drafter) if use_cache(cache, drafter) else None)
     block = _block_size(drafter)
-    kv = _rollback_cache(drafter) if block and _use_cache(cache, drafter) else None
+    kv = rollback_cache(drafter) if block and use_cache(cache, drafter) else None
     return DiffusionDrafter(caller, block, prompt_len, kv)
 
 

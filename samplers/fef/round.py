@@ -23,11 +23,11 @@ reproduces greedy ``sequential`` token for token.
   previous round's verify call (no draft call at all); still exact, since any proposal works as long as
   drafts are sampled from the very probabilities the test uses. One call per round.
 - ``"head"``: the state call as for marginal drafts, then a trained causal draft head drafts the window
-  (draft j conditioned on drafts 0..j-1; ``samplers/fef_head.py``), no extra backbone call.
+  (draft j conditioned on drafts 0..j-1; ``samplers/fef/sources.py``), no extra backbone call.
 ``draft_candidates`` > 1 (left to right, copies): a draft tree, siblings of each draft with branches drafted
-after them, verified in the same call with one more copy per branch depth (``_CopyTree``).
-All are draft-source objects (``MarginalDrafts``, ``StaleDrafts`` in ``samplers/drafters.py``, ``HeadDrafts``
-in ``samplers/fef_head.py``), chosen once per call; the loop asks the source for draft logits, the round
+after them, verified in the same call with one more copy per branch depth (``CopyTree``).
+All are draft-source objects (``MarginalDrafts``, ``StaleDrafts`` and ``HeadDrafts``
+in ``samplers/fef/sources.py``), chosen once per call; the loop asks the source for draft logits, the round
 samples the drafts through it and tells it the verified copy afterwards.
 """
 
@@ -43,14 +43,11 @@ from dllm.numerics import bind_rows, forbid_token
 from dllm.protocols import gather_positions
 from dllm.stats import DecodeStats
 
-from .canvas import Band, View
-from .drafters import Draft, MarginalDrafts, StaleDrafts, more_candidates
-from .fef_head import HeadDrafts, branch_paths
-from .order import choose_window, pick_next
-from .verify import Continuations, Noise, rejection_sample, tree_path
-
-DRAFT_SOURCES = ("marginal", "stale", "head")
-VERIFIERS = ("copies", "structured")
+from ..canvas import Band, View, write_at
+from ..order import choose_window, pick_next
+from ..verify import Noise, rejection_sample, tree_path
+from .sources import HeadDrafts, MarginalDrafts, StaleDrafts
+from .trees import CopyTree
 
 
 @dataclass
@@ -64,15 +61,16 @@ class FefStepper:
     temperature: float
     generator: torch.Generator
     stats: DecodeStats
-    order: str = "left_to_right"
-    window: int = 4
-    draft: str = "marginal"
-    verifier: str = "copies"
-    draft_head: object = None  # draft="head": a head folder or DraftHead (None: the shipped head)
-    # A draft tree (``_CopyTree``; on a two-stream model samplers/two_stream.py runs it), left to right
-    draft_candidates: int = 1
-    candidates_below: float | None = None
-    call_tokens: int | None = None  # the most token positions one forward holds: the copies call runs in parts
+    # the sampler's options (FefConfig; their defaults: dllm.defaults.SAMPLER_DEFAULTS["fef"])
+    order: str
+    window: int
+    draft: str
+    verifier: str
+    draft_head: object  # draft="head": a head folder or DraftHead (None: the shipped head)
+    # A draft tree (``CopyTree``; on a two-stream model samplers/fef/two_stream.py runs it), left to right
+    draft_candidates: int
+    candidates_below: float | None
+    call_tokens: int | None  # the most token positions one forward holds: the copies call runs in parts
 
     def __post_init__(self) -> None:  # the source is chosen once, not per round
         head = FEF_HEAD if self.draft_head is None else self.draft_head
@@ -100,7 +98,7 @@ class FefStepper:
         rows = torch.arange(x.shape[0], device=x.device)
         slots, count = choose_window(self.order, draft_logits, band.candidates(view, x), mask_id, self.window)
         drafts, window_logits = self.source.sample(view, draft_logits, slots, self.temperature, generator)
-        tree = _CopyTree.grow(self.source, drafts, window_logits, count, self.draft_candidates - 1,
+        tree = CopyTree.grow(self.source, drafts, window_logits, count, self.draft_candidates - 1,
                               self.candidates_below, self.temperature, generator,
                               skip_first=draft_is_state) if self.draft_candidates > 1 else None
 
@@ -192,98 +190,6 @@ class FefStepper:
                                    "revealed": revealed, **event}
 
 
-class _CopyTree:
-    """A round's draft tree for the copies verifier, left to right: at each depth j up to A siblings of d_j drawn
-    without replacement from the law d_j was drawn from (``more_candidates``; with ``below``, only where d_j's
-    temperature-1 probability is below it), each the root of a branch b_j (the sibling), b_{j+1} .. b_{n-1}
-    drafted after it (a head's steps along the forced path, ``HeadDrafts.redraft``; the marginal and stale
-    sources draft each position independently, so the chain's own drafts continue every branch). The branch
-    brings one copy per depth i = j + 1 .. n: the row with d_<j, b_j .. b_{i-1} revealed, whose logits at s_i
-    (at i = n: at its own pick, the bonus) are the target there. The recursive rule and then the chain rule down
-    the taken branch verify the tree (``Continuations``). Costs sum(n - j) block copies more per round."""
-
-    def __init__(self, alternatives, slot_row, slot_depth, slot_alt, path, path_logits):
-        self.alternatives = alternatives  # [R, W, A] (-1: none), as the verifier takes them
-        self.slot_row, self.slot_depth, self.slot_alt = slot_row, slot_depth, slot_alt  # [K] per sibling
-        self.path, self.path_logits = path, path_logits  # [K, W] by depth (the sibling at j), [K, W, V]
-        self.size = 0  # branch copies in the call
-        self.copy_slot = self.copy_depth = None  # [N_b] each branch copy's sibling and the depth it targets
-        self.logits = self.picks = None  # [N_b, Ls, V] and [N_b] after the call
-        self.positions = self.count = None  # the window [R, W] and its valid drafts [R]
-
-    @classmethod
-    def grow(cls, source, drafts, window_logits, count, extra: int, below, temperature, generator,
-             skip_first: bool) -> _CopyTree:
-        """The siblings and their branches. ``skip_first``: the draft logits are the state call's, so draft 0
-        is tested against the law it was drawn from and always accepted; its siblings would be copies for
-        nothing."""
-        n = drafts.shape[0]
-        rows = torch.arange(n, device=drafts.device)
-        alternatives = more_candidates(Draft(drafts, window_logits, count), extra, temperature, generator, rows,
-                                       below)  # [R, W, A]
-        if skip_first:
-            alternatives[:, 0] = -1
-        slot_row, flat = (alternatives >= 0).flatten(1).nonzero(as_tuple=True)  # row-major, depth-major in a row
-        slot_depth, slot_alt = flat // extra, flat % extra
-        redraft = None
-        if isinstance(source, HeadDrafts):  # marginal and stale drafts are independent
-            def redraft(which, forced):
-                return source.redraft(which, forced, temperature, bind_rows(generator, which))
-        path, path_logits = branch_paths(drafts, window_logits, slot_row, slot_depth,
-                                         alternatives[slot_row, slot_depth, slot_alt], redraft)
-        return cls(alternatives, slot_row, slot_depth, slot_alt, path, path_logits)
-
-    def add_copies(self, x, positions, count, copies, row_of):
-        """The branch copies after the chain's -> (copies, their rows)."""
-        width = positions.shape[1]
-        i = torch.arange(width + 1, device=x.device)
-        wanted = (i[None, :] > self.slot_depth[:, None]) & (i[None, :] <= count[self.slot_row][:, None])  # [K, W + 1]
-        self.copy_slot, self.copy_depth = wanted.nonzero(as_tuple=True)
-        rows = self.slot_row[self.copy_slot]
-        reveal = torch.arange(width, device=x.device)[None, :] < self.copy_depth[:, None]  # depths < i
-        branch = write_at(x[rows], positions[rows], self.path[self.copy_slot], reveal)
-        self.size, self.count = rows.numel(), count
-        return torch.cat([copies, branch]), torch.cat([row_of, rows])
-
-    def split(self, copy_logits, picks, positions):
-        """Keep the branch copies' logits and picks; return the chain's copy logits."""
-        self.logits, self.picks = copy_logits[copy_logits.shape[0] - self.size:], picks
-        self.positions = positions
-        return copy_logits[: copy_logits.shape[0] - self.size]
-
-    def _targets(self, mask_id):
-        """Each branch copy's target logits [N_b, V]: at s_i, or at its own pick after the row's last draft."""
-        rows = self.slot_row[self.copy_slot]
-        width = self.positions.shape[1]
-        inside = self.copy_depth < self.count[rows]
-        at = torch.where(inside, self.positions[rows, self.copy_depth.clamp(max=width - 1)], self.picks.clamp(min=0))
-        return forbid_token(self.logits[torch.arange(rows.numel(), device=rows.device), at], mask_id)
-
-    def continuations(self, mask_id) -> Continuations:
-        """Each sibling's branch for the verifier, by absolute depth, one entry per sibling."""
-        n, width, count = self.alternatives.shape
-        k = self.slot_row.numel()
-        slot = torch.full((n, width, count), -1, dtype=torch.long, device=self.path.device)
-        slot[self.slot_row, self.slot_depth, self.slot_alt] = torch.arange(k, device=self.path.device)
-        steps = torch.arange(width, device=self.path.device)
-        tokens = torch.where(steps[None, :] > self.slot_depth[:, None], self.path, -1)
-        targets = self.path_logits.new_zeros((k, width + 1, self.path_logits.shape[-1]))
-        targets[self.copy_slot, self.copy_depth] = self._targets(mask_id)
-        return Continuations(slot, tokens, self.path_logits, targets)
-
-    def after(self, outcome, next_logits):
-        """The verified copy matching the new state per row [R, Ls, V]: after a taken sibling, its branch's copy
-        with the accepted tokens revealed."""
-        took = ((outcome.branch[self.slot_row] > 0) & (self.slot_depth == outcome.branch_depth[self.slot_row])
-                & (self.slot_alt == outcome.branch[self.slot_row] - 1))  # [K] the taken sibling's slot
-        rows = self.slot_row[self.copy_slot]
-        match = took[self.copy_slot] & (self.copy_depth == outcome.num_accepted[rows])
-        if bool(match.any()):
-            next_logits = next_logits.clone()
-            next_logits[rows[match]] = self.logits[match]
-        return next_logits
-
-
 def _build_copies(
     x: torch.Tensor,  # [R, L]
     positions: torch.Tensor,  # [R, W]
@@ -314,14 +220,3 @@ def _build_copies(
     index[row_of, copy_of] = torch.arange(row_of.numel(), device=x.device)
     return copies, index, row_of
 
-
-def write_at(tokens: torch.Tensor, positions: torch.Tensor, values: torch.Tensor, write: torch.Tensor) -> torch.Tensor:
-    """A copy of ``tokens`` [N, L] with ``values`` [N, K] at ``positions`` [N, K] where ``write`` [N, K] holds.
-
-    Unwritten entries go to a spare last column, dropped after: their positions may repeat a written one
-    (window slots past a row's count), which a plain scatter would race with, and a boolean mask would make
-    the shapes data-dependent (a host sync on a GPU)."""
-    length = tokens.shape[1]
-    out = torch.cat([tokens, tokens[:, :1]], dim=1)
-    out.scatter_(1, torch.where(write, positions, length), values)
-    return out[:, :length]

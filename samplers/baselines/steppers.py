@@ -25,10 +25,14 @@ from dllm.kernels import sample_confidence
 from dllm.numerics import bind_rows, forbid_token, gumbel, uniform
 from dllm.stats import DecodeStats
 
-from .canvas import View
+from ..canvas import View
 
 DREAM_ALGORITHMS = ("origin", "maskgit_plus", "topk_margin", "entropy")
+
+
 REMASKING = ("low_confidence", "random")
+
+
 DREAM_EPS = 1e-3  # Dream's final timestep: its schedule runs t = linspace(1, eps, steps + 1)
 
 
@@ -40,7 +44,7 @@ class _Stepper:
     generator: torch.Generator
     stats: DecodeStats
 
-    lookahead = False  # (samplers.canvas.Stepper) calls need not score the next block
+    lookahead = False  # (samplers.sessions.Stepper) calls need not score the next block
 
     def begin_block(self, block: int) -> None:
         self.step_index = 0
@@ -222,4 +226,3 @@ def _top_k(
     chosen = torch.zeros_like(score, dtype=torch.bool)
     chosen.scatter_(1, ranked, take)
     return chosen & torch.isfinite(score)
-

@@ -10,8 +10,8 @@ from dllm.numerics import bind_rows, forbid_token, sample_from_logits
 from dllm.protocols import capabilities, is_diffusion_model
 from dllm.stats import DecodeStats
 
-from .canvas import Band, Canvas, View, block_candidates
-from .order import pick_next, read_band
+from ..canvas import Band, Canvas, View, block_candidates
+from ..order import pick_next, read_band
 
 
 @dataclass
@@ -25,9 +25,9 @@ class SequentialStepper:
     temperature: float
     generator: torch.Generator
     stats: DecodeStats
-    order: str = "left_to_right"
+    order: str  # the option (SequentialConfig)
 
-    lookahead = False  # (samplers.canvas.Stepper) calls need not score the next block
+    lookahead = False  # (samplers.sessions.Stepper) calls need not score the next block
 
     def begin_block(self, block: int) -> None:
         pass
