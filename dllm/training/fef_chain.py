@@ -14,15 +14,30 @@ under block-causal attention, so one canvas serves prompts of different lengths.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
 from dllm.numerics import forbid_token, sample_from_logits
 
 
+class Windows:
+    """A draft head's training windows (``features``, ``base``, ``targets`` and ``count`` per window, plus what
+    each layout adds); ``inputs`` and ``trained`` say how the head reads them and which slots it learns."""
+
+    count: torch.Tensor  # [N] valid slots
+
+    def __len__(self) -> int:
+        return self.count.shape[0]
+
+    def take(self, index: torch.Tensor):
+        """The windows at ``index`` [n], features and logits as float32."""
+        values = {f.name: getattr(self, f.name)[index] for f in fields(self)}
+        return type(self)(**{name: v.float() if v.is_floating_point() else v for name, v in values.items()})
+
+
 @dataclass
-class ChainWindows:
+class ChainWindows(Windows):
     """Windows s_k..s_{B-1} of every state of a chain, padded to the block (``count`` valid slots)."""
 
     features: torch.Tensor  # [N, W, D] the state's features at the window
@@ -30,14 +45,6 @@ class ChainWindows:
     targets: torch.Tensor  # [N, W, V] the verifier's target at slot j: the chain's state at s_j, its marginal
     chain: torch.Tensor  # [N, W] the chain's tokens at the window (the accepted drafts)
     count: torch.Tensor  # [N] valid slots (B - k)
-
-    def __len__(self) -> int:
-        return self.chain.shape[0]
-
-    def take(self, index: torch.Tensor) -> ChainWindows:
-        """The windows at ``index`` [n], features and logits as float32."""
-        return ChainWindows(self.features[index].float(), self.base[index].float(), self.targets[index].float(),
-                            self.chain[index], self.count[index])
 
     def inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The head's arguments: (features, base, previous, offsets), the chain's tokens as the drafts."""

@@ -39,12 +39,13 @@ import torch
 
 from dllm.models.draft_head import DraftHead, DraftHeadConfig
 from dllm.models.loading import SHIPPED
+from dllm.training.fef_chain import Windows
 
 ORDERS = ("left_to_right", "confidence")  # the orders rollouts may take (--orders)
 
 
 @dataclass
-class RoundWindows:
+class RoundWindows(Windows):
     """Windows of fef rounds on a two-stream model: the head's inputs and the verifier's targets."""
 
     features: torch.Tensor  # [N, W, D] stored query features at s_j
@@ -53,14 +54,6 @@ class RoundWindows:
     previous: torch.Tensor  # [N, W] the token before s_j: the pending correction at slot 0, then d_{j-1}
     offsets: torch.Tensor  # [N, W] s_j minus that token's column
     count: torch.Tensor  # [N] slots tested
-
-    def __len__(self) -> int:
-        return self.count.shape[0]
-
-    def take(self, index: torch.Tensor) -> RoundWindows:
-        """The windows at ``index`` [n], features and logits as float32."""
-        return RoundWindows(self.features[index].float(), self.base[index].float(), self.targets[index].float(),
-                            self.previous[index], self.offsets[index], self.count[index])
 
     def inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.features, self.base, self.previous, self.offsets
