@@ -44,8 +44,9 @@ def test_triton_is_an_extra_not_a_dependency():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert not any(d.startswith("triton") for d in project["dependencies"])
     extras = project["optional-dependencies"]
-    assert any(d.startswith("triton") for d in extras["gpu"]) and any(d.startswith("triton") for d in extras["test"])
-    assert {"eval", "bench", "test", "gpu"} <= set(extras)
+    # a CPU install of [test] stays without triton (about 1 GB); the kernel tests skip their Triton halves there
+    assert any(d.startswith("triton") for d in extras["gpu"]) and not any(d.startswith("triton") for d in extras["test"])
+    assert {"eval", "bench", "test", "gpu", "docs"} <= set(extras)
     assert project["scripts"]["dllm-lm-eval"] == "dllm.eval.lm_eval_cli:main"
 
 
