@@ -68,14 +68,17 @@ class DecodeStats:
     ``row_calls``, ``forward_tokens``, ``rounds`` and ``steps`` come from shapes and stay on the host.
     """
 
+    # model calls and the token positions they fed (from shapes, on the host)
     nfe: int = 0
     nfe_draft: int = 0
     row_calls: int = 0
     forward_tokens: int = 0
     forward_tokens_draft: int = 0
+    # what the loop made: tokens, row-rounds, steps
     new_tokens: int = 0
     rounds: int = 0
     steps: int = 0
+    # what the verification saw (speculative samplers)
     drafted: int = 0
     accepted: int = 0
     draft_rounds: int = 0

@@ -59,9 +59,14 @@ def model_codes(model: torch.nn.Module) -> set[CodeType]:
     return codes
 
 
+_ROOT = Path(__file__).resolve().parents[1]
+
+
 def _label(frame: FrameType) -> str:
-    path = Path(frame.f_code.co_filename)
-    return f"{path.parent.name}/{path.name}:{frame.f_code.co_name}"
+    """``file:function``, the file relative to the repository (``samplers/fef/round.py:round``)."""
+    path = Path(frame.f_code.co_filename).resolve()
+    where = path.relative_to(_ROOT) if path.is_relative_to(_ROOT) else Path(path.parent.name, path.name)
+    return f"{where.as_posix()}:{frame.f_code.co_name}"
 
 
 def record_chains(run, model: torch.nn.Module, entry: CodeType = dllm.generate.__code__,

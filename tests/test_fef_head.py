@@ -14,7 +14,7 @@ import torch
 import dllm
 import dllm.samplers.fef.round as fef_module
 from dllm.models.draft_head import DraftHead, DraftHeadConfig
-from dllm.models.oracle import HMMOracle, InconsistentModel
+from dllm.models.oracle import HMMOracle, InconsistentModel, Wrapper
 from dllm.models.transformer import TransformerConfig, TransformerLM
 from dllm.protocols import Capabilities
 from dllm.samplers import sequential_distribution
@@ -28,21 +28,13 @@ GEN = 4
 
 
 @dataclass(frozen=True)
-class WithFeatures:
+class WithFeatures(Wrapper):
     """A logits function that also returns features: a fixed random embedding of each state."""
 
     base: object
     dim: int = 8
     seed: int = 0
     capabilities = Capabilities(hidden_states=True)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.base.vocab_size
-
-    @property
-    def mask_token_id(self) -> int:
-        return self.base.mask_token_id
 
     def __call__(self, input_ids: torch.Tensor, return_hidden: bool = False):
         logits = self.base(input_ids)

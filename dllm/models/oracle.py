@@ -149,8 +149,20 @@ class OracleCausalView:
         return _with_mask_column(torch.log(self.oracle.next_token_probs(input_ids))).float()
 
 
+class Wrapper:
+    """A model around another (``self.base``), with the base's vocabulary and mask id."""
+
+    @property
+    def vocab_size(self) -> int:
+        return self.base.vocab_size
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.base.mask_token_id
+
+
 @dataclass(frozen=True)
-class InconsistentModel:
+class InconsistentModel(Wrapper):
     """A DiffusionModel whose conditionals come from no single joint distribution.
 
     The wrapped oracle's logits get a fixed random bias that depends on the position and on how many
@@ -161,14 +173,6 @@ class InconsistentModel:
     base: HMMOracle
     scale: float = 1.0
     seed: int = 0
-
-    @property
-    def vocab_size(self) -> int:
-        return self.base.vocab_size
-
-    @property
-    def mask_token_id(self) -> int:
-        return self.base.mask_token_id
 
     def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
         logits = self.base(input_ids)
