@@ -42,7 +42,8 @@ def _dispatch(argv: list[str]) -> int:
         return importlib.import_module(_COMMANDS[argv[0]]).main(argv[1:])
     parser = argparse.ArgumentParser(prog="dllm", description="Exact speculative decoding for diffusion LMs.")
     sub = parser.add_subparsers(dest="command", required=True)
-    _add_generate(sub.add_parser("generate", help="generate text (default: the shipped diffusion model with fef)"))
+    _add_generate(sub.add_parser("generate", help="generate text (default: the shipped diffusion model with fef)",
+                                 epilog=STATS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter))
     for name, text in [("eval", "evaluate on GSM8K, MATH, HumanEval, MBPP, synthetic"),
                        ("bench", "AR vs diffusion speed study"), ("train", "train the small default models"),
                        ("plan", "the peak memory a model, batch, length and sampler will need (before renting a card)"),
@@ -125,9 +126,11 @@ def load_checkpoint(name: str, flag: str, **load_kwargs):
     try:
         return dllm.load(name, **load_kwargs)
     except OSError as error:  # huggingface_hub's and transformers' errors for ids they cannot fetch
+        from dllm.models.loading import HubUnreachableError
+
         offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
         why = ("HF_HUB_OFFLINE is set and it is not in the local hub cache" if offline
-               else _one_line(error).split(". ")[0])
+               else error.reason if isinstance(error, HubUnreachableError) else _one_line(error).split(". ")[0])
         raise UserError(f"{flag} {name}: no such folder, and the hub could not provide it ({why}); "
                         "pass a local checkpoint folder or a reachable hub id") from None
 
@@ -139,15 +142,45 @@ def _hub_shaped(name: str) -> bool:
     return re.fullmatch(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?", name) is not None
 
 
+STATS_HELP = """\
+the line after the answer (each field defined in dllm.stats.DecodeStats):
+  N new tokens in Ts (X tok/s)  tokens generated, prompt excluded and nothing after the end of the answer;
+                                T: the decoding loop's wall time (loading excluded)
+  model calls N (+M draft)      forward calls of the model (NFE: one batched call counts once), and of
+                                ar_spec's separate drafter model (0 when fef drafts from the model itself
+                                or ar_spec from n-grams)
+  tokens/call                   new tokens / model calls; a call that only fills a cache (with the
+                                prompt) emits nothing, so one-token-per-call samplers (sequential) can
+                                sit just below 1
+  mean acceptance length        new tokens / rounds, a round being one step of the sampler: speculative
+                                samplers (fef, ar_spec) count the accepted drafts plus the round's
+                                correction or bonus token; the others (llada, dream, fast_dllm, eb,
+                                sequential, ar) draft nothing, and it is the tokens committed per step
+  exact / approximate sampler   exact: the output follows exactly the law of the one-token-per-call
+                                reference (sequential for diffusion models, ar for causal ones) at this
+                                temperature and order; approximate: no such guarantee (llada, dream,
+                                fast_dllm, eb, or an approximate cache or verifier)"""
+
+
 def _add_generate(p: argparse.ArgumentParser) -> None:
-    p.add_argument("prompt", nargs="?", default=_DEFAULT_PROMPT)
-    p.add_argument("--model", help="a folder or hub id for dllm.load (default: the shipped model for the sampler)")
+    from dllm.samplers import SAMPLERS
+
+    p.add_argument("prompt", nargs="?", help=f"the text to continue (default: the demo question {_DEFAULT_PROMPT!r}, "
+                   "said on stderr)")
+    p.add_argument("--model", help="a folder, a hub id, or a shipped model's name (diffusion, ar, two_stream, ...) "
+                   "for dllm.load (default: the shipped model for the sampler)")
     p.add_argument("--kind", default="auto",
                    help="dllm.load kind: auto, llada, dream, diffusion_gemma, mlm, causal, dllm, remote")
-    p.add_argument("--sampler", default="fef")
-    p.add_argument("--drafter", help="ar_spec drafter: 'ngram' or a model folder (default with the shipped AR "
-                   "model: dllm/weights/ar_diffusion_drafter, the shipped diffusion model distilled toward it, 8 "
-                   "drafts per round; the shipped causal drafter is dllm/weights/drafter)")
+    by_kind = {kind: [name for name, spec in SAMPLERS.items() if spec.model_kind == kind]
+               for kind in ("diffusion", "causal", "any")}
+    others = ", ".join(name for name in by_kind["diffusion"] if name != "fef")
+    p.add_argument("--sampler", default="fef", metavar="SAMPLER",
+                   help=f"fef (default), or for diffusion models {others}; for causal models "
+                        f"{', '.join(by_kind['causal'])}; for either {', '.join(by_kind['any'])} (the checkpoint's own "
+                        "loop)")
+    p.add_argument("--drafter", help="ar_spec drafter: 'ngram', a model folder or a shipped model's name (default "
+                   "with the shipped AR model: ar_diffusion_drafter, the shipped diffusion model distilled toward "
+                   "it, 8 drafts per round; the shipped causal drafter is 'drafter')")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=TEMPERATURE, help=f"0 is greedy (default {TEMPERATURE})")
     p.add_argument("--seed", type=int, default=0)
@@ -195,6 +228,9 @@ def _generate(args: argparse.Namespace) -> int:
             options.setdefault("num_draft_tokens", 8)  # the shipped diffusion drafters' best measured (README)
     elif args.drafter is not None:
         raise UserError(f"--drafter is for --sampler ar_spec, got --sampler {args.sampler}")
+    if args.prompt is None:  # said once the model is there to decode it (a failure before stays one line)
+        print(f"no prompt given: using the demo question {_DEFAULT_PROMPT!r}", file=sys.stderr)
+        args.prompt = _DEFAULT_PROMPT
     from dllm.models.loading import is_shipped
 
     text = _format_prompt(args, tokenizer, default_model=args.model is None or is_shipped(args.model))
@@ -324,6 +360,7 @@ def render_canvas(row: list[int], tokenizer, mask_id, fresh: set[int], stops: se
 
 
 def _print_stats(out) -> None:
+    """One line of DecodeStats; what each part counts: STATS_HELP, the epilog of ``dllm generate --help``."""
     s = out.stats
     print(f"-- {s.new_tokens} new tokens in {s.wall_time_s:.2f}s ({s.tokens_per_second:.1f} tok/s), "
           f"model calls {s.nfe} (+{s.nfe_draft} draft), tokens/call {s.tokens_per_call:.2f}, "
@@ -342,9 +379,9 @@ def _demo(args: argparse.Namespace, options: dict, missing: str | None) -> int:
 
     oracle = dllm.HMMOracle.random(num_states=4, num_tokens=len(DEMO_ALPHABET), seed=0, stickiness=3.0,
                                    sharpness=2.0)
-    if not set(args.prompt) <= set(DEMO_ALPHABET) and args.prompt != _DEFAULT_PROMPT:
+    if args.prompt is not None and not set(args.prompt) <= set(DEMO_ALPHABET):
         raise UserError(f"the demo's prompt must use only the letters {DEMO_ALPHABET!r}, got {args.prompt!r}")
-    prompt = args.prompt if set(args.prompt) <= set(DEMO_ALPHABET) else "abca"
+    prompt = args.prompt or "abca"
     ids = torch.tensor([[DEMO_ALPHABET.index(c) for c in prompt]])
     model = oracle.as_causal() if _model_kind(args.sampler) == "causal" else oracle
     letters = lambda row: "".join("_" if t == oracle.mask_token_id else DEMO_ALPHABET[t] for t in row)  # noqa: E731

@@ -61,6 +61,7 @@ from dllm.defaults import DTYPE, DTYPES, TEMPERATURE, resolve_dtype
 from dllm.eval import cost_model
 from dllm.eval.bench_report import markdown, print_table, write_plots
 from dllm.eval.runner import group_by_length, padding_problem, parse_value
+from dllm.models.loading import shipped_or_path
 from dllm.numerics import synchronize
 from dllm.samplers import SAMPLERS, typed_options
 from dllm.stats import EntropyAcceptance
@@ -246,7 +247,8 @@ def read_config_file(path: str | Path) -> tuple[dict[str, Any], dict[str, str], 
 
 
 class ModelStore:
-    """Loads each model once; a name is an alias (``--model``, [models], the shipped ones) or a folder."""
+    """Loads each model once; a name is an alias (``--model``, [models], the shipped ones) or a folder, and an
+    alias's value a folder or a shipped model's bare name (``--model mine=drafter``)."""
 
     def __init__(self, aliases: dict[str, str], device: torch.device, dtype: torch.dtype, tokenizer=None):
         self.aliases, self.device, self.dtype = aliases, device, dtype
@@ -254,7 +256,7 @@ class ModelStore:
         self.tokenizer = tokenizer
 
     def path(self, name: str) -> Path:
-        return Path(self.aliases.get(name, name)).expanduser()
+        return shipped_or_path(self.aliases.get(name, name))
 
     def get(self, name: str):
         if name not in self.loaded:
@@ -716,7 +718,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help='a configuration, e.g. "name=fef w4;model=diffusion;sampler=fef;window=4" (repeatable)')
     parser.add_argument("--config-file", help="TOML file with [study], [models] and [[run]] tables")
     parser.add_argument("--model", action="append", default=[], metavar="ALIAS=PATH",
-                        help="model alias (ar, diffusion, drafter are the shipped models)")
+                        help="model alias: a folder or a shipped model's name (ar, diffusion, drafter, two_stream, "
+                        "ar_diffusion_drafter are also aliases of the shipped models)")
     parser.add_argument("--tokenizer", help="tokenizer.json to use instead of the models' own")
     parser.add_argument("--prompts", help="task name (synthetic, gsm8k, ...), a .jsonl file, or 'random'")
     parser.add_argument("--data-file", help="the task's data file")

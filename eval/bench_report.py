@@ -116,13 +116,16 @@ def pareto_figure(plt, runs: list[dict]):
     key = "accuracy" if scored else "tokens_per_row_call"
     colours = plt.get_cmap("tab20")
     points = [(r["tokens_per_s"], r[key]) for r in runs]
+    handles = []  # the legend shows what is drawn: each run's marker (its bars may have no length), the front
     for i, (run, (x, y)) in enumerate(zip(runs, points)):
         err = [[x - run["tokens_per_s_min"]], [run["tokens_per_s_max"] - x]]
-        ax.errorbar(x, y, xerr=err, fmt=MARKERS.get(run["sampler"], "^"), color=colours(i % 20), capsize=3,
-                    label=f"{i + 1}. {run['name']}")
+        drawn = ax.errorbar(x, y, xerr=err, fmt=MARKERS.get(run["sampler"], "^"), color=colours(i % 20), capsize=3)
+        handles.append(drawn.lines[0])
     front = _pareto_front(points)
-    ax.plot(*zip(*front), "k--", lw=0.9, drawstyle="steps-pre", label="Pareto front", zorder=1)
-    ax.plot(*zip(*front), "o", ms=13, mfc="none", mec="k", mew=0.8, zorder=1)
+    # One line for the front, its points ringed; a front of one point has no line to draw, so none in its legend.
+    handles += ax.plot(*zip(*front), color="k", linestyle="--" if len(front) > 1 else "none", lw=0.9,
+                       drawstyle="steps-pre", marker="o", ms=13, mfc="none", mec="k", mew=0.8, zorder=1,
+                       label="Pareto front")
     ax.set_xscale("log")
     ax.margins(x=0.08, y=0.12)
     ax.autoscale_view()
@@ -135,7 +138,8 @@ def pareto_figure(plt, runs: list[dict]):
     ax.set_xlabel("response tokens / s (median; bars: min-max over repeats; log scale)")
     ax.set_ylabel("accuracy" if scored else "tokens per row-call (prompts unscored)")
     ax.set_title("Accuracy vs speed" if scored else "Tokens per call vs speed")
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
+    labels = [f"{i + 1}. {run['name']}" for i, run in enumerate(runs)] + ["Pareto front"]
+    ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     return fig
@@ -188,6 +192,15 @@ def label_offsets(anchors: list[list[float]], spacing: float) -> list[tuple[floa
 
 def plot_calls(plt, runs: list[dict], path: Path) -> None:
     """Tokens per row-call and forward tokens per generated token, one bar per configuration."""
+    fig = calls_figure(plt, runs)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def calls_figure(plt, runs: list[dict]):
+    """The tokens-per-call figure. Both axes are linear from 0: every bar shows (a log axis starts above the
+    smallest bar, ar's, and hides it) and the drafter's part stacked on the target's keeps its true length.
+    """
     fig, axes = plt.subplots(1, 2, figsize=(11, 0.32 * len(runs) + 1.5), sharey=True)
     names = [r["name"] for r in runs]
     colours = [plt.get_cmap("tab10")(list(SAMPLERS).index(r["sampler"]) % 10) for r in runs]
@@ -196,15 +209,14 @@ def plot_calls(plt, runs: list[dict], path: Path) -> None:
     axes[1].barh(names, [r["forward_tokens_per_token"] for r in runs], color=colours, label="target")
     axes[1].barh(names, [r["forward_tokens_draft_per_token"] for r in runs], color="white", edgecolor="black",
                  hatch="//", left=[r["forward_tokens_per_token"] for r in runs], label="drafter")
-    axes[1].set_xscale("log")
     axes[1].set_xlabel("forward tokens per generated token")
     axes[1].legend(fontsize=8)
     axes[0].invert_yaxis()
     for ax in axes:
+        ax.set_xlim(left=0)
         ax.grid(alpha=0.3, axis="x")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
 
 
 def plot_acceptance(plt, runs: list[dict], path: Path) -> None:

@@ -16,14 +16,17 @@ rolling windows (BOS, else EOS; `prefix_token_id` overrides), the same left trun
 batches, and the same stop rule (the checkpoint's generation_config EOS, then the `until` strings).
 
 model_args (checked when the model is built; an unknown key is refused naming the allowed ones):
-`pretrained` (default: the shipped model for the sampler's kind), `kind`, `dtype`, `device` (default: CUDA
-when available, else the CPU), `revision`, `trust_remote_code`, `sampler` (default: ar for a causal
-model, fef for a diffusion one), `temperature` (used when a request sets none), `max_gen_toks`, `seed`,
-`batch_size` (an int or "auto"; given in model_args it wins over `--batch_size`), `max_batch_size` (the
-ceiling of "auto"), `add_bos_token`, `prefix_token_id`, `max_length`, and for diffusion models
-`mc_samples`, `mc_batch_size`, `check_greedy` (below); every other key must be an option of the chosen
-sampler (`window=4`, `drafter=PATH` for ar_spec), read by the option's type as on dllm's command line
-(`cache=none` stays a string).
+`pretrained` (default: the shipped model for the sampler's kind), `kind`, `dtype` (default `auto`: as in
+lm-eval's `hf` backend, the checkpoint's own dtype, so `--model dllm` and `--model hf` load alike; this
+differs from dllm's own command lines, where `auto` is bf16 where the device computes it natively;
+`float32`, `bfloat16`, `float16` convert), `device` (default: CUDA when available, else the CPU),
+`revision`, `trust_remote_code`, `sampler` (default: ar for a causal model, fef for a diffusion one),
+`temperature` (used when a request sets none), `max_gen_toks`, `seed`, `batch_size` (an int or "auto";
+given in model_args it wins over `--batch_size`), `max_batch_size` (the ceiling of "auto"),
+`add_bos_token`, `prefix_token_id`, `max_length`, and for diffusion models `mc_samples`, `mc_batch_size`,
+`check_greedy` (below); every other key must be an option of the chosen sampler (`window=4`,
+`drafter=PATH` for ar_spec), read by the option's type as on dllm's command line (`cache=none` stays a
+string).
 
 Requests:
 - `generate_until`: `until` stop strings (plus the EOS text) and `max_gen_toks` from the request's
@@ -110,7 +113,7 @@ class DllmLM(TemplateLM):
         if _own_checkpoint(pretrained, kind):  # this project's folders run no remote code and have no revisions
             load_kw = {}
         device = _pick_device(device)
-        dtype = resolve_dtype(dtype, device)
+        dtype = _checkpoint_dtype(dtype, device)
         self.model = dllm.load(pretrained or default_model(sampler or "fef"), kind=kind, device=device, dtype=dtype,
                                **load_kw)
         self.causal = is_causal_model(self.model)
@@ -486,6 +489,12 @@ def _warn_once(message: str) -> None:
 def _median_and_max(values: list[float]) -> tuple[float, float]:
     finite = sorted(v for v in values if not math.isnan(v))  # nan: one sample has no standard error
     return (finite[len(finite) // 2], finite[-1]) if finite else (math.nan, math.nan)
+
+
+def _checkpoint_dtype(dtype: Any, device: str) -> torch.dtype | None:
+    """lm-eval's meaning of model_args dtype: "auto" (and None) keeps the checkpoint's dtype, as HFLM's
+    ``torch_dtype="auto"``; a name converts. (dllm's own ``auto`` is ``auto_dtype``: not used here.)"""
+    return None if dtype in (None, "auto") else resolve_dtype(dtype, device, "model_args dtype")
 
 
 def _pick_device(device: str | None) -> str:

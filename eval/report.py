@@ -5,12 +5,14 @@ A folder written by `dllm.eval.runner` holds `run.json` (the run's identity and 
 Everything here reads only those files, so a summary can be rebuilt without the model.
 
     dllm eval report DIR [DIR...] [--png FILE]   # markdown table on stdout, accuracy-vs-speed chart as PNG
+                                                 # (default: DIR/eval_report.png; several runs: their parent)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,9 +20,10 @@ from pathlib import Path
 from dllm.eval.tasks import get_task
 from dllm.stats import DecodeStats
 
-__all__ = ["load_samples", "main", "markdown_table", "parse_samples", "plot_runs", "summarize_folder"]
+__all__ = ["chart_path", "load_samples", "main", "markdown_table", "parse_samples", "plot_runs", "summarize_folder"]
 
 RUN_FILE, SAMPLES_FILE, SUMMARY_FILE = "run.json", "samples.jsonl", "summary.json"
+CHART_FILE = "eval_report.png"  # `dllm eval report`'s chart, beside the runs it compares (chart_path)
 
 
 def parse_samples(data: bytes) -> tuple[list[dict], int]:
@@ -183,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     """`dllm eval report DIR [DIR...]`: print the table, save the chart."""
     parser = argparse.ArgumentParser(prog="dllm eval report", description="Compare evaluation runs.")
     parser.add_argument("folders", nargs="+", metavar="DIR", help="output folders of dllm eval runs")
-    parser.add_argument("--png", default="eval_report.png", help="where to save the accuracy-vs-speed chart")
+    parser.add_argument("--png", help=f"where to save the accuracy-vs-speed chart (default: {CHART_FILE} beside "
+                                      "the results: in DIR for one run, in the runs' common folder for several)")
     args = parser.parse_args(argv)
     missing = [f for f in args.folders if not (Path(f) / RUN_FILE).is_file()]
     if missing:
@@ -191,8 +195,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     summaries = [summarize_folder(f) for f in args.folders]
     print(markdown_table(summaries, args.folders))
-    print(f"\nchart: {plot_runs(summaries, args.png, args.folders)}")
+    print(f"\nchart: {plot_runs(summaries, args.png or chart_path(args.folders), args.folders)}")
     return 0
+
+
+def chart_path(folders: Sequence[str | Path]) -> Path:
+    """The chart's default place, beside the results: inside the one run's folder, or in the folder that
+    holds all the runs compared (never the current directory unless the runs are there)."""
+    if len(folders) == 1:
+        return Path(folders[0]) / CHART_FILE
+    return Path(os.path.commonpath([Path(f).resolve() for f in folders])) / CHART_FILE
 
 
 if __name__ == "__main__":

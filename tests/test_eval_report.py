@@ -82,3 +82,16 @@ def test_report_of_a_missing_folder_is_one_prefixed_line(capsys, tmp_path):
 
     assert report_main([str(tmp_path / "nope")]) == 2
     assert capsys.readouterr().err == f"dllm eval: not evaluation folders (no run.json): {tmp_path / 'nope'}\n"
+
+
+def test_chart_goes_beside_the_results_not_into_the_working_directory(runs, tmp_path, monkeypatch, capsys):
+    pytest.importorskip("matplotlib")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert report.main([str(runs[0])]) == 0  # one run: inside its folder
+    assert (runs[0] / "eval_report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert report.main([str(r) for r in runs]) == 0  # several: the folder that holds them
+    assert (tmp_path / "eval_report.png").is_file()
+    assert list(elsewhere.iterdir()) == []
+    assert capsys.readouterr().out.rstrip().endswith(f"chart: {tmp_path / 'eval_report.png'}")

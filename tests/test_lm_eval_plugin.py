@@ -247,6 +247,27 @@ def test_chat_template_and_device_defaults(causal_path, caplog):
     assert "cuda" not in caplog.text.lower()  # chosen quietly
 
 
+def test_dtype_auto_is_the_checkpoints_as_in_lm_evals_hf_backend(causal_path, monkeypatch):
+    """model_args dtype=auto (the default) keeps the checkpoint's dtype, as HFLM's: a float32 checkpoint stays
+    float32 even where dllm's own ``auto`` picks bf16 (a CPU with native bf16, made so here); a name converts."""
+    from lm_eval.models.huggingface import HFLM
+
+    from dllm import defaults
+
+    monkeypatch.setattr(defaults, "cpu_has_native_bf16", lambda: True)
+    assert defaults.resolve_dtype("auto", "cpu") == torch.bfloat16  # dllm's own meaning, kept elsewhere
+    dtype = lambda module: next(module.parameters()).dtype  # noqa: E731
+    for given in ({"dtype": "auto"}, {"dtype": None}, {}):
+        assert dtype(DllmLM(pretrained="diffusion", sampler="sequential", device="cpu", **given).model) == torch.float32
+    converted = DllmLM(pretrained="diffusion", sampler="sequential", dtype="bfloat16", device="cpu")
+    assert dtype(converted.model) == torch.bfloat16
+    ours = DllmLM(pretrained=str(causal_path), sampler="ar", device="cpu")
+    theirs = HFLM(pretrained=str(causal_path), device="cpu")  # lm-eval's default dtype: "auto"
+    assert dtype(ours.model.model) == dtype(theirs.model) == torch.float32  # ours: the adapter's transformers model
+    with pytest.raises(ValueError, match="model_args dtype must be one of"):
+        DllmLM(pretrained="diffusion", sampler="sequential", dtype="float8", device="cpu")
+
+
 def _tiny_tasks(folder: Path) -> Path:
     """A generate_until and a multiple-choice task over a local JSONL file (lm-eval's `json` loader)."""
     dataset = jsonl_dataset(folder, ROWS)

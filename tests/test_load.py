@@ -3,6 +3,8 @@
 Every checkpoint is a tiny random model written to a temporary folder (tests/fixtures/hf/builders.py).
 """
 
+from pathlib import Path
+
 import pytest
 import torch
 from fixtures.hf import builders
@@ -176,3 +178,63 @@ def test_bare_names_of_shipped_models_load_from_the_package():
     assert _local_folder("diffusion") == SHIPPED / "diffusion"
     assert _local_folder("someone/diffusion") is None
     assert isinstance(dllm.load("two_stream"), TwoStreamLM)
+
+
+def test_unreachable_hub_fails_after_one_request(monkeypatch, tmp_path):
+    """A hub id neither cached nor reachable fails at the first refused connection (no retries with backoff,
+    about 25 s of warnings); a cached config or HF_HUB_OFFLINE makes no request at all."""
+    import huggingface_hub
+    from huggingface_hub import constants
+    from transformers import PretrainedConfig
+
+    from dllm.models import loading
+
+    requests = []
+
+    def refused(url, **kw):
+        requests.append(url)
+        raise ConnectionError("[Errno 111] Connection refused")
+
+    def no_second_try(*args, **kw):
+        raise AssertionError("the config was fetched after the hub was found unreachable")
+
+    monkeypatch.setattr(huggingface_hub, "get_hf_file_metadata", refused)
+    monkeypatch.setattr(PretrainedConfig, "get_config_dict", no_second_try)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    with pytest.raises(loading.HubUnreachableError, match=r"name_or_path 'someone/nonexistent-model': not in the "
+                       r"local hub cache, and the hub \(.+\) could not be reached \(\[Errno 111\] Connection refused"):
+        load("someone/nonexistent-model", cache_dir=str(tmp_path))
+    assert len(requests) == 1 and requests[0].endswith("someone/nonexistent-model/resolve/main/config.json")
+    loading.check_hub_reachable("someone/nonexistent-model", {"local_files_only": True})
+    snapshot = tmp_path / "models--someone--cached" / "snapshots" / "abc"  # the hub cache's layout
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (tmp_path / "models--someone--cached" / "refs").mkdir()
+    (tmp_path / "models--someone--cached" / "refs" / "main").write_text("abc")
+    loading.check_hub_reachable("someone/cached", {"cache_dir": str(tmp_path)})
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    loading.check_hub_reachable("someone/nonexistent-model", {})
+    assert len(requests) == 1  # none of the three asked the hub
+
+
+def test_shipped_heads_and_models_by_bare_name_from_any_directory(tmp_path, monkeypatch):
+    """draft_head= and bench's model aliases take a shipped name from a directory with no dllm/weights; a
+    folder of that name in the working directory still wins."""
+    from dllm.eval.bench import ModelStore
+    from dllm.models.ar_heads import head_config, load_head
+    from dllm.models.draft_head import DraftHead, load_draft_head
+    from dllm.models.loading import SHIPPED, shipped_or_path
+
+    monkeypatch.chdir(tmp_path)
+    if not (SHIPPED / "fef_head" / "model.safetensors").exists():
+        pytest.skip("shipped weights not present")
+    assert shipped_or_path("fef_head") == SHIPPED / "fef_head"
+    assert isinstance(load_draft_head("two_stream_head"), DraftHead)
+    assert head_config("ar_eagle").kind == "eagle" and load_head("ar_repair").config.kind == "repair"
+    assert ModelStore({}, torch.device("cpu"), torch.float32).path("drafter") == SHIPPED / "drafter"
+    assert ModelStore({"mine": "ar"}, torch.device("cpu"), torch.float32).path("mine") == SHIPPED / "ar"
+    (tmp_path / "drafter").mkdir()
+    assert shipped_or_path("drafter") == Path("drafter")  # the working directory's folder
+    assert shipped_or_path("someone/fef_head") == Path("someone/fef_head")  # only bare names
+    with pytest.raises(ValueError, match="is a shipped draft head .*pass it as draft_head='fef_head'"):
+        load("fef_head")

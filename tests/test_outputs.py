@@ -47,6 +47,55 @@ def test_pareto_labels_stay_apart_and_ticks_are_plain_numbers():
     plt.close(fig)
 
 
+def _legend_lines(ax) -> dict:
+    legend = ax.get_legend()
+    return {text.get_text(): line for text, line in zip(legend.get_texts(), legend.get_lines(), strict=True)}
+
+
+@needs_matplotlib
+@pytest.mark.parametrize("runs", [RUNS, [_run("slow", "ar", 10.0, 0.5), _run("fast", "fef", 20.0, 0.75)]],
+                         ids=["front of two", "front of one point"])
+def test_pareto_legend_shows_only_what_is_drawn(runs):
+    """A front of one point draws no line, so its legend entry shows the ring alone; runs show their marker."""
+    fig = bench_report.pareto_figure(plt, runs)
+    ax = fig.axes[0]
+    legend = _legend_lines(ax)
+    front = next(line for line in ax.lines if line.get_label() == "Pareto front")
+    drawn_line = len(front.get_xdata()) > 1
+    assert (legend["Pareto front"].get_linestyle() not in ("None", "none", "")) == drawn_line
+    assert front.get_linestyle() == legend["Pareto front"].get_linestyle()
+    assert legend["Pareto front"].get_marker() == "o"
+    for i, run in enumerate(runs):
+        entry = legend[f"{i + 1}. {run['name']}"]
+        assert entry.get_linestyle() in ("None", "none", "") and entry.get_marker() not in ("None", "none", "")
+    plt.close(fig)
+
+
+def _calls_run(name: str, sampler: str, target: float, draft: float = 0.0) -> dict:
+    return {"name": name, "sampler": sampler, "tokens_per_row_call": 1.0, "forward_tokens_per_token": target,
+            "forward_tokens_draft_per_token": draft}
+
+
+@needs_matplotlib
+def test_every_bar_of_tokens_per_call_is_visible():
+    """ar's bar is the smallest: an axis must start below it (a log axis autoscaled to the bars hid it)."""
+    runs = [_calls_run("ar greedy", "ar", 3.5), _calls_run("ar_spec drafter-ar k4", "ar_spec", 3.5, 3.5),
+            _calls_run("sequential no-cache", "sequential", 57.0), _calls_run("fef w4 no-cache", "fef", 68.125)]
+    fig = bench_report.calls_figure(plt, runs)
+    fig.canvas.draw()
+    bars = 0
+    for ax in fig.axes:
+        low, high = ax.get_xlim()
+        for bar in ax.patches:
+            if bar.get_width() > 0:
+                left, right = max(bar.get_x(), low), min(bar.get_x() + bar.get_width(), high)
+                (x0, _), (x1, _) = ax.transData.transform([(left, 0), (right, 0)])
+                assert x1 - x0 >= 1.0, (ax.get_xlabel(), bar.get_x(), bar.get_width(), (low, high))
+                bars += 1
+    assert bars == 4 + 4 + 1  # both panels' target bars and the one drafter bar
+    plt.close(fig)
+
+
 def test_log_ticks_are_readable_over_narrow_and_wide_ranges():
     assert bench_report._log_ticks(15, 250) == [20, 50, 100, 200]
     narrow = bench_report._log_ticks(20, 26)

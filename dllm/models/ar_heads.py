@@ -398,10 +398,11 @@ def save_head(head: EagleHead | DFlashHead | RepairHead, folder: str | Path, car
 
 
 def head_config(head) -> HeadConfig:
-    """The config of a head module or of a head folder (without loading its weights)."""
+    """The config of a head module or of a head folder (without loading its weights); a shipped head's bare name
+    (``"ar_eagle"``, ``"ar_repair"``) is its folder in ``dllm/weights``, from any working directory."""
     if isinstance(head, tuple(HEADS.values())):
         return head.config
-    path = Path(head) / "config.json"
+    path = _folder(head) / "config.json"
     if not path.is_file():
         raise ValueError(f"draft_head must be a head module or a folder holding config.json; {path} not found")
     return HeadConfig(**json.loads(path.read_text()))
@@ -413,7 +414,13 @@ def load_head(head, device=None, dtype=None) -> EagleHead | DFlashHead | RepairH
     if isinstance(head, tuple(HEADS.values())):
         return head
     config = head_config(head)
-    return load_saved(lambda: new_head(config), head, dtype=dtype or torch.float32, device=device).eval()
+    return load_saved(lambda: new_head(config), _folder(head), dtype=dtype or torch.float32, device=device).eval()
+
+
+def _folder(head) -> Path:
+    from .loading import shipped_or_path
+
+    return shipped_or_path(head) if isinstance(head, str) else Path(head)
 
 
 def check_head(head, kind: str | tuple[str, ...], backbone) -> HeadConfig:

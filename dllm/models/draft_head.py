@@ -46,7 +46,7 @@ class DraftHeadConfig:
     max_offset: int = 16  # |s_j - s_{j-1}| beyond this shares the extreme embedding
     mask_token_id: int | None = None  # never drafted
     # Step 0 also reads the token emitted just before the window and its offset, and is corrected: on a
-    # two-stream model the window's first query did not see that token (samplers/two_stream.py). False for
+    # two-stream model the window's first query did not see that token (samplers/fef/two_stream.py). False for
     # fef on a block-diffusion model, whose step 0 is the state's own marginal, already the target.
     condition_first: bool = False
 
@@ -218,12 +218,15 @@ class HeadSteps:
 
 
 def load_draft_head(value: str | Path | DraftHead, device: str | torch.device | None = None) -> DraftHead:
-    """A head from a folder (loaded once per folder and modification time) or a DraftHead as it is."""
+    """A head from a folder (loaded once per folder and modification time) or a DraftHead as it is; a shipped
+    head's bare name (``"fef_head"``, ``"two_stream_head"``) is its folder in ``dllm/weights``, from anywhere."""
     if isinstance(value, DraftHead):
         return value
     if not isinstance(value, str | Path):
         raise TypeError(f"draft_head must be a head folder or a DraftHead, got {type(value).__name__}")
-    folder = Path(value).resolve()
+    from dllm.models.loading import shipped_or_path
+
+    folder = shipped_or_path(value).resolve()
     stamp = (folder / WEIGHTS_NAME).stat().st_mtime_ns if (folder / WEIGHTS_NAME).is_file() else 0
     return _cached_head(str(folder), stamp, str(device) if device is not None else None)
 

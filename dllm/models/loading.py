@@ -33,7 +33,8 @@ def load(name_or_path: str | os.PathLike, kind: str = "auto", device: str | torc
     ``device_map`` (native llada/dream: accelerate placement), ``trust_remote_code``; the rest goes to
     ``from_pretrained`` (revision, ...).
     A local folder never reaches the network (local_files_only=True), nor does the bare name of a model this
-    package ships (``dllm.load("two_stream")``: ``dllm/weights/two_stream``); a hub id goes to transformers as is.
+    package ships (``dllm.load("two_stream")``: ``dllm/weights/two_stream``); a hub id goes to transformers as is,
+    except that one neither cached nor reachable fails after one request (``HubUnreachableError``, an OSError).
     """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {list(KINDS)}, got {kind!r}")
@@ -130,6 +131,17 @@ def is_shipped(name_or_path) -> bool:
     return folder is not None and folder.resolve().parent == SHIPPED
 
 
+def shipped_or_path(value: str | os.PathLike) -> Path:
+    """A folder argument as a Path, where a bare name that is no folder here but names something this package
+    ships (a model or a draft head: ``"drafter"``, ``"fef_head"``) is its folder in ``dllm/weights``, from any
+    working directory; a folder of that name in the working directory wins."""
+    path = Path(value).expanduser()
+    if isinstance(value, str) and value not in ("", ".", "..") and path.name == value and not path.exists() \
+            and (SHIPPED / value).is_dir():
+        return SHIPPED / value
+    return path
+
+
 def _local_folder(name_or_path) -> Path | None:
     """The folder when ``name_or_path`` is one on disk or the bare name of a shipped model (``"diffusion"``,
     ``"two_stream"``, ...: ``dllm/weights/<name>``); None for a hub id; an error for a missing path."""
@@ -141,7 +153,7 @@ def _local_folder(name_or_path) -> Path | None:
         kind = json.loads((SHIPPED / text / "config.json").read_text()).get("kind")
         if kind is not None:  # a shipped draft head (its config names its kind), not a model
             raise ValueError(f"name_or_path {text!r} is a shipped draft head ({kind}), not a model: pass it "
-                             f"as draft_head={str(SHIPPED / text)!r}")
+                             f"as draft_head={text!r}")
         return SHIPPED / text
     if isinstance(name_or_path, os.PathLike) or str(name_or_path).startswith((".", "/", "~")) or path.exists():
         raise FileNotFoundError(f"name_or_path {str(name_or_path)!r} is not a folder (nor a hub id)")
@@ -157,8 +169,42 @@ def _config_dict(name_or_path, local: Path | None, kw: dict) -> dict:
         return json.loads(file.read_text())
     from transformers import PretrainedConfig
 
+    check_hub_reachable(str(name_or_path), kw)
     config, _ = PretrainedConfig.get_config_dict(str(name_or_path), **{k: kw[k] for k in _HUB_KEYS if k in kw})
     return config
+
+
+class HubUnreachableError(OSError):
+    """A hub id whose files are not in the local cache, and the hub could not be reached (``reason``: why)."""
+
+    def __init__(self, name: str, endpoint: str, reason: str):
+        super().__init__(f"name_or_path {name!r}: not in the local hub cache, and the hub ({endpoint}) could not "
+                         f"be reached ({reason})")
+        self.reason = f"the hub ({endpoint}) could not be reached: {reason}"
+
+
+def check_hub_reachable(name: str, kw: dict) -> None:
+    """Fail fast, after one request, when hub id ``name`` is neither cached nor reachable: huggingface_hub
+    would retry the connection five times with backoff (about 25 s of warnings) before the same failure.
+
+    No request when the hub is off (HF_HUB_OFFLINE, ``local_files_only``) or the config is cached; an answer
+    from the hub (not found, gated) or a malformed id is left to the load, which reports it as before.
+    """
+    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url, try_to_load_from_cache
+    from huggingface_hub.errors import HfHubHTTPError
+
+    if constants.HF_HUB_OFFLINE or kw.get("local_files_only"):
+        return
+    try:
+        cached = try_to_load_from_cache(name, "config.json", cache_dir=kw.get("cache_dir"), revision=kw.get("revision"))
+        if isinstance(cached, str):
+            return  # on a failed connection huggingface_hub falls back to the cache without retrying
+        get_hf_file_metadata(hf_hub_url(name, "config.json", revision=kw.get("revision")), token=kw.get("token"))
+    except (HfHubHTTPError, ValueError, TypeError):
+        return
+    except Exception as error:  # no answer at all: name resolution, refused connection, timeout, proxy, TLS
+        raise HubUnreachableError(name, constants.ENDPOINT, " ".join(str(error).split()) or type(error).__name__
+                                  ) from None
 
 
 def _load_dllm(local: Path | None, name, device, dtype, kw: dict):
