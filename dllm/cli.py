@@ -25,8 +25,8 @@ _DEFAULT_PROMPT = "Tom has 3 bags with 4 apples each. How many apples does Tom h
 
 USAGE = 2  # bad input (a flag's value, a missing folder), as argparse and `dllm eval` exit
 INTERRUPTED = 130  # Ctrl-C, as a shell reports SIGINT
-_COMMANDS = {"eval": "dllm.eval.runner", "bench": "dllm.eval.bench", "train": "dllm.train", "plan": "dllm.eval.planner",
-             "study": "dllm.eval.real_shape"}
+_COMMANDS = {"eval": "dllm.eval.runner", "bench": "dllm.eval.study.bench", "train": "dllm.train",
+             "plan": "dllm.eval.study.planner", "study": "dllm.eval.study.real_shape"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -210,7 +210,7 @@ def _generate(args: argparse.Namespace) -> int:
     _check_max_new_tokens(args.max_new_tokens)
     check_device(args.device)
     if args.trace:  # before decoding: a missing plotting library must not cost a whole run
-        from dllm.eval.trace import check_trace_path
+        from dllm.eval.study.trace import check_trace_path
 
         check_trace_path(args.trace)
     causal = SAMPLERS[args.sampler].model_kind == "causal"
@@ -248,7 +248,7 @@ def _generate(args: argparse.Namespace) -> int:
     answer = out.sequences[0, ids.shape[1]:]
     completion = tokenizer.decode(answer[: int(out.stats.new_tokens)], skip_special_tokens=True)
     if args.trace:
-        from dllm.eval.trace import render_trace
+        from dllm.eval.study.trace import render_trace
         from dllm.stops import resolve as resolve_stops
 
         written = render_trace(events, tokenizer, args.trace, prompt_length=ids.shape[1],

@@ -36,8 +36,8 @@ import signal
 import sys
 import time
 
-# -I leaves the script's folder off sys.path; put it there for this import only (eval/trace.py and the
-# other modules beside it must not shadow the standard library for the tests' own imports).
+# -I leaves the script's folder off sys.path; put it there for this import only (the
+# modules beside it must not shadow the standard library for the tests' own imports).
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _sandbox_calls import SERVER, WIRE, run_tests  # noqa: E402 - after the path it needs
 

@@ -12,9 +12,9 @@
 # attention in the shipped model's blocks, and never onto the bidirectional llada-8b); selfcheck/ (the cost model
 # on the shipped models' own shapes, projected from the same results: compare its projected speedups with
 # the measured ones to see how far "forward time is all that counts" holds on this device); head_cost/ (fef's
-# draft-head steps against the state call at HEAD_ARCH's shape, default llada-8b: eval/head_cost.py); trees/
+# draft-head steps against the state call at HEAD_ARCH's shape, default llada-8b: eval/study/head_cost.py); trees/
 # (configs/bench_trees.toml at batch 1 on the shipped models: draft trees against chains, ar_spec and fef);
-# real_shape/ and real_shape_compile/ (eval/real_shape.py: REAL_ARCH, default llada-8b, random bf16 weights at
+# real_shape/ and real_shape_compile/ (eval/study/real_shape.py: REAL_ARCH, default llada-8b, random bf16 weights at
 # REAL_LAYERS, default its full depth on a GPU, loaded by dllm.load from a hub-layout folder; sequential and fef w8 at
 # batch 1 and 8: peak memory above the weights beside `dllm plan`'s, time per round, the sampler's share, syncs per
 # round; the second folder with each layer's attention and MLP under torch.compile). Writing the full-depth random
@@ -53,11 +53,11 @@ if [[ "$SMALL" == 1 ]]; then  # a CPU: 2 layers, short answers, no compiled runs
   : "${REAL_LAYERS:=2}" "${REAL_NEW_TOKENS:=64}" "${REAL_TIME_LIMIT:=300}"
   REAL_COMPILE=0
 else
-  : "${REAL_LAYERS:=$("$PY" -c "from dllm.eval.cost_model import ARCHS; print(ARCHS['$REAL_ARCH']['n_layers'])")}"
+  : "${REAL_LAYERS:=$("$PY" -c "from dllm.eval.study.cost_model import ARCHS; print(ARCHS['$REAL_ARCH']['n_layers'])")}"
   : "${REAL_NEW_TOKENS:=256}" "${REAL_TIME_LIMIT:=300}"
 fi
 
-shipped() { "$PY" -c "from dllm.eval.bench import DEFAULT_MODELS; print(DEFAULT_MODELS['$1'])"; }
+shipped() { "$PY" -c "from dllm.eval.study.bench import DEFAULT_MODELS; print(DEFAULT_MODELS['$1'])"; }
 MODEL_AR=${MODEL_AR:-$(shipped ar)}
 MODEL_DIFFUSION=${MODEL_DIFFUSION:-$(shipped diffusion)}
 MODEL_DRAFTER=${MODEL_DRAFTER:-$(shipped drafter)}
@@ -75,20 +75,20 @@ for arch in ${COST_ARCHS//,/ }; do archs+=(--arch "$arch"); done
 
 mkdir -p "$OUT"
 echo "== study -> $OUT (SMALL=$SMALL)"
-"$PY" -m dllm.eval.bench "${common[@]}" --model "ar=$MODEL_AR" --model "diffusion=$MODEL_DIFFUSION" \
+"$PY" -m dllm.eval.study.bench "${common[@]}" --model "ar=$MODEL_AR" --model "diffusion=$MODEL_DIFFUSION" \
   --model "drafter=$MODEL_DRAFTER" --prompts "$PROMPTS" --num-prompts "$NUM_PROMPTS" \
   --max-new-tokens "$MAX_NEW_TOKENS" --batch-size "$BATCH_SIZE" --repeats "$REPEATS" --warmup "$WARMUP" \
   --output "$OUT" 2>&1 | tee "$OUT/study.log"
 
 echo "== cost model and projection (${COST_ROLES})"
-"$PY" -m dllm.eval.bench --cost-model "${common[@]}" --results "$OUT/results.json" "${roles[@]}" \
+"$PY" -m dllm.eval.study.bench --cost-model "${common[@]}" --results "$OUT/results.json" "${roles[@]}" \
   ${archs[@]+"${archs[@]}"} --cost-rows "$COST_ROWS" --cost-tokens "$COST_TOKENS" \
   --cost-contexts "$COST_CONTEXTS" --cost-layers "$COST_LAYERS" --cost-reps "$COST_REPS" \
   --output "$OUT" 2>&1 | tee "$OUT/cost.log"
 
 if [[ "$SELFCHECK" != 0 ]]; then
   echo "== self-check: the shipped shapes on this device, projected from the same results"
-  "$PY" -m dllm.eval.bench --cost-model "${common[@]}" --results "$OUT/results.json" \
+  "$PY" -m dllm.eval.study.bench --cost-model "${common[@]}" --results "$OUT/results.json" \
     --role "ar=$MODEL_AR" --role "diffusion=$MODEL_DIFFUSION" --role "drafter=$MODEL_DRAFTER" \
     --cost-rows "$SELF_ROWS" --cost-tokens "$SELF_TOKENS" --cost-contexts "$SELF_CONTEXTS" \
     --cost-layers "${SELF_LAYERS:-full}" --cost-reps "$COST_REPS" \
@@ -96,12 +96,12 @@ if [[ "$SELFCHECK" != 0 ]]; then
 fi
 if [[ "$HEAD_COST" != 0 ]]; then
   echo "== draft-head steps against the state call at ${HEAD_ARCH}'s shape"
-  "$PY" -m dllm.eval.head_cost --arch "$HEAD_ARCH" --layers "$HEAD_LAYERS" --device "${DEVICE:-auto}" \
+  "$PY" -m dllm.eval.study.head_cost --arch "$HEAD_ARCH" --layers "$HEAD_LAYERS" --device "${DEVICE:-auto}" \
     --dtype "${DTYPE:-bfloat16}" --reps "$COST_REPS" --output "$OUT/head_cost" 2>&1 | tee "$OUT/head_cost.log"
 fi
 if [[ "$TREES" != 0 ]]; then
   echo "== draft trees against chains at batch 1 (configs/bench_trees.toml)"
-  "$PY" -m dllm.eval.bench "${common[@]}" --config-file configs/bench_trees.toml --num-prompts "$NUM_PROMPTS" \
+  "$PY" -m dllm.eval.study.bench "${common[@]}" --config-file configs/bench_trees.toml --num-prompts "$NUM_PROMPTS" \
     --max-new-tokens "$MAX_NEW_TOKENS" --repeats "$REPEATS" --warmup "$WARMUP" --output "$OUT/trees" 2>&1 \
     | tee "$OUT/trees.log"
 fi
@@ -111,10 +111,10 @@ if [[ "$REAL_SHAPE" != 0 ]]; then
         --time-limit "$REAL_TIME_LIMIT" --cache-dir "$REAL_CACHE")
   [[ -n "${THREADS:-}" ]] && real+=(--threads "$THREADS")
   echo "== real-shape study: $REAL_ARCH, random weights, $REAL_LAYERS layers, $REAL_SAMPLERS at batch $REAL_BATCHES"
-  "$PY" -m dllm.eval.real_shape "${real[@]}" --output "$OUT/real_shape" 2>&1 | tee "$OUT/real_shape.log"
+  "$PY" -m dllm.eval.study.real_shape "${real[@]}" --output "$OUT/real_shape" 2>&1 | tee "$OUT/real_shape.log"
   if [[ "$REAL_COMPILE" != 0 ]]; then
     echo "== real-shape study under torch.compile (each layer's attention and MLP)"
-    "$PY" -m dllm.eval.real_shape "${real[@]}" --compile --output "$OUT/real_shape_compile" 2>&1 \
+    "$PY" -m dllm.eval.study.real_shape "${real[@]}" --compile --output "$OUT/real_shape_compile" 2>&1 \
       | tee "$OUT/real_shape_compile.log"
   fi
 fi

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dllm.defaults import auto_dtype
-from dllm.eval import bench, cost_model
+from dllm.eval.study import bench, cost_model
 from dllm.models.transformer import TransformerConfig, TransformerLM
 
 ROOT = Path(__file__).resolve().parents[1]

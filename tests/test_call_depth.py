@@ -1,11 +1,11 @@
-"""The plumbing-depth counter of `dllm.eval.call_depth` counts the frames it says it counts."""
+"""The plumbing-depth counter of `dllm.eval.study.call_depth` counts the frames it says it counts."""
 
 from pathlib import Path
 
 import pytest
 import torch
 
-from dllm.eval.call_depth import main, record_chains
+from dllm.eval.study.call_depth import main, record_chains
 
 
 class _Model(torch.nn.Module):
@@ -44,5 +44,7 @@ def test_every_chain_from_generate_to_a_forward_is_at_most_four_calls(capsys, ar
     assert chains and lines[-1].endswith("at most 4")
     assert all(int(line.split()[1]) <= 4 for line in chains), chains
     if not argv:  # fef with the block cache: the copies call and the draft call both reach forward_cached
-        assert any("samplers/fef/round.py:round -> samplers/sessions.py:logits -> dllm/models/transformer.py:forward_cached" in line
+        copies = ("samplers/fef/round.py:round -> samplers/sessions.py:logits -> "
+                  "dllm/models/transformer.py:forward_cached")
+        assert any(copies in line
                    for line in chains), chains

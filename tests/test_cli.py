@@ -119,7 +119,7 @@ def test_eval_option_cache_none_stays_a_string():
 
 
 def test_bench_config_and_toml_values_are_typed_by_the_option(tmp_path):
-    from dllm.eval import bench
+    from dllm.eval.study import bench
 
     assert bench.parse_config("name=a;model=d;sampler=dream;top_k=none;alg=entropy;temperature=1").options == \
         {"top_k": None, "alg": "entropy"}
@@ -232,8 +232,9 @@ def test_every_entry_point_shares_the_defaults(checkpoints, capsys):
 
     import dllm
     from dllm import defaults
-    from dllm.eval import bench, runner
+    from dllm.eval import runner
     from dllm.eval.lm_eval_plugin import DllmLM
+    from dllm.eval.study import bench
     from dllm.samplers import SAMPLERS
 
     plugin = inspect.signature(DllmLM.__init__).parameters

@@ -5,7 +5,7 @@ import json
 import pytest
 from test_bench import TINY_GRID, model_flags, save_tiny_models
 
-from dllm.eval import bench, cost_model
+from dllm.eval.study import bench, cost_model
 
 CONFIGS = ["name=ar greedy;model=ar;sampler=ar",
            "name=ar_spec drafter-diffusion k2;model=ar;sampler=ar_spec;drafter=diffusion;num_draft_tokens=2",
@@ -119,7 +119,7 @@ def test_a_hub_folder_gets_the_shape_and_layout_dllm_load_gives_it(tmp_path, fam
 
 
 def test_bench_without_matplotlib_says_so_in_one_line(tmp_path, monkeypatch, capsys):
-    from dllm.eval.bench_report import write_plots
+    from dllm.eval.study.bench_report import write_plots
 
     monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # import matplotlib now raises
     assert write_plots([], tmp_path) == []

@@ -7,7 +7,7 @@ import torch
 from test_bench import model_flags, save_tiny_models
 
 import dllm
-from dllm.eval import bench
+from dllm.eval.study import bench
 from dllm.models.oracle import HMMOracle
 from dllm.models.transformer import TransformerConfig, TransformerLM
 from dllm.samplers.sessions import choose_session

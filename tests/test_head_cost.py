@@ -1,10 +1,10 @@
-"""eval/head_cost.py: the head's steps against the backbone's state call at a target's shape."""
+"""eval/study/head_cost.py: the head's steps against the backbone's state call at a target's shape."""
 
 import json
 
 import pytest
 
-from dllm.eval.head_cost import main
+from dllm.eval.study.head_cost import main
 
 
 def test_head_cost_writes_both_calls_and_the_ratios(tmp_path):

@@ -220,7 +220,7 @@ def test_unreachable_hub_fails_after_one_request(monkeypatch, tmp_path):
 def test_shipped_heads_and_models_by_bare_name_from_any_directory(tmp_path, monkeypatch):
     """draft_head= and bench's model aliases take a shipped name from a directory with no dllm/weights; a
     folder of that name in the working directory still wins."""
-    from dllm.eval.bench import ModelStore
+    from dllm.eval.study.bench import ModelStore
     from dllm.models.ar_heads import head_config, load_head
     from dllm.models.draft_head import DraftHead, load_draft_head
     from dllm.models.loading import SHIPPED, shipped_or_path

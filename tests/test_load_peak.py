@@ -1,6 +1,6 @@
 """Loading a single-file checkpoint holds the weights once (issue 29, item 4): peak host memory, chunked reads, errors.
 
-Peak memory is measured by ``dllm.eval.load_memory`` in a fresh interpreter per load, so that the high-water mark
+Peak memory is measured by ``dllm.eval.study.load_memory`` in a fresh interpreter per load, so that the high-water mark
 is that load's alone: ``VmHWM`` from /proc/self/status (the resident high-water mark, which starts afresh at exec;
 ``ru_maxrss`` would carry over the parent's, which wrote the checkpoint) minus the resident size just before the
 load, with torch, accelerate, safetensors and torch's meta kernels already imported (code, whatever the size).
@@ -14,7 +14,7 @@ import pytest
 import torch
 from test_checkpoint import assert_matches_hub, empty_tiny, hub_state, rename, save_sharded
 
-from dllm.eval.load_memory import llada_like, measure_in_child, write_checkpoint
+from dllm.eval.study.load_memory import llada_like, measure_in_child, write_checkpoint
 from dllm.models import checkpoint
 from dllm.models.checkpoint import load_checkpoint
 from dllm.models.transformer import TransformerConfig, TransformerLM

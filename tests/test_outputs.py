@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from dllm.eval import bench_report, cost_model
+from dllm.eval.study import bench_report, cost_model
 
 plt = cost_model.pyplot()
 needs_matplotlib = pytest.mark.skipif(plt is None, reason="matplotlib is not installed")
@@ -142,7 +142,7 @@ def test_eval_report_rows_name_their_folder(tmp_path, capsys):
 
 
 def test_trace_drops_the_columns_after_the_rows_stop():
-    from dllm.eval.trace import Cell, Round, drop_after_stop
+    from dllm.eval.study.trace import Cell, Round, drop_after_stop
 
     eos, eot, mask = 1, 2, 9
     rounds = [Round("r1", [Cell(5, "fixed"), Cell(None, "masked"), Cell(None, "masked"), Cell(None, "masked")]),
@@ -159,7 +159,7 @@ def test_rendered_trace_ends_at_each_rows_stop(tmp_path):
     import torch
 
     import dllm
-    from dllm.eval.trace import TraceRecorder, render_trace
+    from dllm.eval.study.trace import TraceRecorder, render_trace
 
     oracle = dllm.HMMOracle.random(num_states=4, num_tokens=8, seed=0, stickiness=3.0, sharpness=2.0)
     trace = TraceRecorder()
@@ -221,7 +221,7 @@ def test_bench_shows_progress_batch_by_batch_within_each_configuration():
     import torch
 
     import dllm
-    from dllm.eval import bench
+    from dllm.eval.study import bench
 
     oracle = dllm.HMMOracle.random(num_states=3, num_tokens=6, seed=0)
     prompts = [[0, 1, 2], [1, 2], [2, 0, 1, 1], [3]]
@@ -240,7 +240,7 @@ def test_bench_shows_progress_batch_by_batch_within_each_configuration():
 def test_log_progress_prints_lines_for_logs_at_most_every_interval():
     import io
 
-    from dllm.eval import bench
+    from dllm.eval.study import bench
 
     out = io.StringIO()
     with bench.LogProgress(3, "  repeat 1/2", interval=0.0, out=out) as shown:

@@ -1,7 +1,7 @@
-"""The real-shape study and the memory planner (eval/real_shape.py, eval/planner.py): the planner's peak within 15%
-of the one measured in a subprocess, on a shape whose activations and held keys/values are hundreds of MiB; the
-hub-layout folders load through the native loader; the logit positions the planner assumes are the ones the
-samplers ask for; bad flags end in one line."""
+"""The real-shape study and the memory planner (eval/study/real_shape.py, eval/study/planner.py): the planner's peak
+within 15% of the one measured in a subprocess, on a shape whose activations and held keys/values are hundreds of MiB;
+the hub-layout folders load through the native loader; the logit positions the planner assumes are the ones the samplers
+ask for; bad flags end in one line."""
 
 import json
 
@@ -10,8 +10,8 @@ import torch
 
 import dllm
 from dllm.cli import main
-from dllm.eval import planner, real_shape
-from dllm.eval.cost_model import ARCHS
+from dllm.eval.study import planner, real_shape
+from dllm.eval.study.cost_model import ARCHS
 from dllm.models.transformer import TransformerConfig, TransformerLM
 
 # Narrow and wide: calls of 1536 tokens at batch 1 (sequential: one whole sequence; fef w8: 8 copies of 192) hold

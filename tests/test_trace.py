@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import dllm
-from dllm.eval.trace import TraceRecorder, render_trace, trace_rounds
+from dllm.eval.study.trace import TraceRecorder, render_trace, trace_rounds
 from dllm.stats import StepEvent
 
 ALPHABET = "abcdefgh"

@@ -755,7 +755,7 @@ def test_tree_rows_are_batch_invariant(model, options):
 def test_tree_rounds_are_traced(model, tmp_path):
     """dllm's trace of a tree run: a taken sibling carries the chain's draft it replaced, and the page's
     answer is the row's output."""
-    from dllm.eval.trace import TraceRecorder, render_trace, trace_rounds
+    from dllm.eval.study.trace import TraceRecorder, render_trace, trace_rounds
 
     trace = TraceRecorder()
     with torch.no_grad():

@@ -10,7 +10,8 @@ from test_bench import model_flags, save_tiny_models
 
 import dllm
 from dllm.counting import CountingModel
-from dllm.eval import bench, runner
+from dllm.eval import runner
+from dllm.eval.study import bench
 from dllm.models.transformer import TransformerConfig, TransformerLM
 
 

@@ -282,7 +282,7 @@ def _resolve(shape: dict, sampler: str, options: dict, max_new_tokens: int, flag
     from dllm.samplers import SAMPLERS
 
     if sampler not in MODELLED:
-        raise UserError(f"--sampler must be one of {', '.join(MODELLED)} (the rounds eval/planner.py models), "
+        raise UserError(f"--sampler must be one of {', '.join(MODELLED)} (the rounds eval/study/planner.py models), "
                         f"got {sampler!r}")
     if shape["layout"] == "causal":
         raise UserError("--model: a causal architecture; sequential and fef decode diffusion models")
@@ -314,7 +314,7 @@ def _notes(g: Geometry, options: dict, sampler: str) -> list[str]:
 
 def model_shape(model: str, layers: int | None = None) -> dict:
     """A preset's or a folder's shape, with ``tie_embeddings`` and ``qkv_bias`` where the config says them."""
-    from dllm.eval.cost_model import arch_config
+    from dllm.eval.study.cost_model import arch_config
 
     try:
         shape = arch_config(model)
@@ -359,7 +359,7 @@ def check_args(args) -> None:
     if args.dtype not in _DTYPE_BYTES:
         raise UserError(f"--dtype must be one of {', '.join(_DTYPE_BYTES)}, got {args.dtype!r}")
     if args.sampler not in MODELLED:
-        raise UserError(f"--sampler must be one of {', '.join(MODELLED)} (the rounds eval/planner.py models), "
+        raise UserError(f"--sampler must be one of {', '.join(MODELLED)} (the rounds eval/study/planner.py models), "
                         f"got {args.sampler!r}")
 
 

@@ -1,7 +1,7 @@
 """Peak host memory while loading a bf16 TransformerLM checkpoint, one file or sharded: ``from_pretrained`` vs a
 second copy.
 
-Usage: ``python -m dllm.eval.load_memory [--layers 2] [--files single sharded] [--shard-mb 1024]``; the widths
+Usage: ``python -m dllm.eval.study.load_memory [--layers 2] [--files single sharded] [--shard-mb 1024]``; the widths
 default to LLaDA-8B's (dim 4096, MLP 12288, vocabulary 126464, untied output layer: 2.8 GiB at 2 layers).
 Each way runs in a fresh subprocess and reports its resident-memory high-water mark (``VmHWM``) above its resident
 size just before loading (interpreter, torch, accelerate, safetensors and torch's meta kernels already counted in
@@ -110,7 +110,7 @@ def measure(way: str, folder: Path) -> dict:
 
 def measure_in_child(way: str, folder: Path) -> dict:
     """``measure`` in a fresh interpreter, so that the high-water mark is this load's alone."""
-    out = subprocess.run([sys.executable, "-m", "dllm.eval.load_memory", "--child", way, str(folder)],
+    out = subprocess.run([sys.executable, "-m", "dllm.eval.study.load_memory", "--child", way, str(folder)],
                          capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 

@@ -33,7 +33,7 @@ buffers stay out of the peak), records its baseline, runs ``dllm.generate`` on a
 - projection to full depth: time per round = sampler + fixed part (embedding, head, masks: forward less its
   layers, timed by hooks on each layer) + per-layer time x full depth / measured depth; peak memory = the
   weights at full depth + the measured peak above the weights + what grows with depth between the two depths,
-  from ``eval/planner.py`` (keys/values held per layer, a block cache).
+  from ``eval/study/planner.py`` (keys/values held per layer, a block cache).
 
 Each run stops at ``--time-limit`` seconds of decoding (reported as "time limit", with the numbers so far: a
 round's cost and peak are those of the first rounds). ``--compile``: each layer's attention and MLP under
@@ -56,8 +56,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from dllm.cli import UserError
-from dllm.eval import planner
-from dllm.eval.cost_model import ARCHS
+from dllm.eval.study import planner
+from dllm.eval.study.cost_model import ARCHS
 
 FAMILIES = {"llada-8b": "llada", "dream-7b": "dream"}  # presets with a hub layout dllm.load reads natively
 GIB = 2**30
@@ -447,7 +447,7 @@ def run_child(run: Run, timeout: float) -> dict:
     env = dict(os.environ)
     if not run.device.startswith("cuda"):
         env["MALLOC_MMAP_THRESHOLD_"] = str(_MMAP_THRESHOLD)
-    command = [sys.executable, "-m", "dllm.eval.real_shape", "--child", json.dumps(asdict(run))]
+    command = [sys.executable, "-m", "dllm.eval.study.real_shape", "--child", json.dumps(asdict(run))]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
@@ -687,7 +687,7 @@ def check_args(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``dllm study real-shape ...`` (also ``python -m dllm.eval.real_shape ...``)."""
+    """``dllm study real-shape ...`` (also ``python -m dllm.eval.study.real_shape ...``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and not argv[0].startswith("-"):
         if argv[0] != "real-shape":

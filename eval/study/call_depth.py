@@ -1,7 +1,7 @@
 """How many calls lie between `dllm.generate` and a model's forward: the plumbing depth issue 13 bounds.
 
-    python -m dllm.eval.call_depth                 # fef, block cache, on a tiny random block-causal model
-    python -m dllm.eval.call_depth --cache none --window 3
+    python -m dllm.eval.study.call_depth                 # fef, block cache, on a tiny random block-causal model
+    python -m dllm.eval.study.call_depth --cache none --window 3
 
 How it counts: `sys.setprofile` watches every Python call during one `dllm.generate`; each time the
 model's forward is entered (a method named in `FORWARDS`, defined on the model's class, with no such
@@ -27,7 +27,7 @@ import dllm
 from dllm.models.transformer import TransformerConfig, TransformerLM
 
 # The folders whose frames count as the project's plumbing (they install as dllm.*; see pyproject).
-_PROJECT = tuple(str(Path(__file__).resolve().parents[1] / part) for part in ("dllm", "samplers", "kernels", "eval"))
+_PROJECT = tuple(str(Path(__file__).resolve().parents[2] / part) for part in ("dllm", "samplers", "kernels", "eval"))
 
 
 # The model methods that compute logits (`new_cache`, `context_length`, ... are not forwards).
@@ -59,7 +59,7 @@ def model_codes(model: torch.nn.Module) -> set[CodeType]:
     return codes
 
 
-_ROOT = Path(__file__).resolve().parents[1]
+_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _label(frame: FrameType) -> str:

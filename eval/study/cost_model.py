@@ -60,11 +60,11 @@ ARCHS: dict[str, dict[str, Any]] = {
     "tiny": dict(dim=64, n_layers=2, n_heads=2, vocab_size=256, mlp_hidden=128, layout="causal"),  # for tests
     "tiny-bidirectional": dict(dim=64, n_layers=2, n_heads=2, vocab_size=256, mlp_hidden=128, layout="bidirectional"),
 }
-# Not rows yet (eval/real_shape.py and eval/planner.py read this table too): LLaDA2-mini is a mixture of experts
-# (256 experts, 8 active, one dense first layer, half-width rotary; shared/remote_code/llada2), which these dense
-# fields cannot state; SDAR's published config here (SDAR-4B: 32 heads of 128 over hidden 2560) has
-# n_heads x head_dim != dim, which TransformerLM derives as dim / n_heads, and SDAR-1.7B's config is not among the
-# fixtures to copy its dims from. Both need a head_dim field (and experts for LLaDA2) before a row is honest.
+# Not rows yet (eval/study/real_shape.py and eval/study/planner.py read this table too): LLaDA2-mini is a mixture of
+# experts (256 experts, 8 active, one dense first layer, half-width rotary; shared/remote_code/llada2), which these
+# dense fields cannot state; SDAR's published config here (SDAR-4B: 32 heads of 128 over hidden 2560) has n_heads x
+# head_dim != dim, which TransformerLM derives as dim / n_heads, and SDAR-1.7B's config is not among the fixtures to
+# copy its dims from. Both need a head_dim field (and experts for LLaDA2) before a row is honest.
 DEFAULT_ROLES = {"ar": ("qwen3-8b",), "diffusion": ("llada-8b", "llada-8b+block8"), "drafter": ("qwen3-0.6b",)}
 BLOCK_SUFFIX = "+block"  # ARCH+blockN: the preset with block-causal attention in blocks of N
 GRIDS = {  # (rows, new tokens, cached context, depths measured, repetitions)

@@ -3,7 +3,7 @@
     dllm bench --output runs/bench                       # the default study on the shipped models
     dllm bench --config "name=fef w4;model=diffusion;sampler=fef;window=4" --config "name=ar;model=ar;sampler=ar"
     dllm bench --config-file configs/bench_fef.toml --prompts synthetic --num-prompts 32
-    dllm bench --cost-model --results runs/bench/results.json --output runs/bench   # see dllm.eval.cost_model
+    dllm bench --cost-model --results runs/bench/results.json --output runs/bench   # see dllm.eval.study.cost_model
 
 A configuration is ``key=value`` pairs separated by ``;`` (or a ``[[run]]`` table in a TOML file):
 ``name``, ``model`` (an alias: ``ar``, ``diffusion``, ``drafter``, ``two_stream``, ``ar_diffusion_drafter``
@@ -58,9 +58,9 @@ import dllm
 from dllm.cli import UserError, check_device
 from dllm.counting import Call, CountingModel
 from dllm.defaults import DTYPE, DTYPES, TEMPERATURE, resolve_dtype
-from dllm.eval import cost_model
-from dllm.eval.bench_report import markdown, print_table, write_plots
 from dllm.eval.runner import group_by_length, padding_problem, parse_value
+from dllm.eval.study import cost_model
+from dllm.eval.study.bench_report import markdown, print_table, write_plots
 from dllm.models.loading import shipped_or_path
 from dllm.numerics import synchronize
 from dllm.samplers import SAMPLERS, typed_options

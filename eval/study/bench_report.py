@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from dllm.eval import cost_model
+from dllm.eval.study import cost_model
 from dllm.samplers import SAMPLERS
 
 COLUMNS = (  # (header, key, format) of the printed and markdown tables
@@ -100,13 +100,6 @@ MARKERS = {"ar": "s", "ar_spec": "D", "sequential": "v", "fef": "o"}  # other sa
 LABEL_SPACING = 11.0  # points between two labels' anchors: font size 8 plus a margin
 
 
-def plot_pareto(plt, runs: list[dict], path: Path) -> None:
-    """Accuracy against tokens/s (min-max over repeats as error bars), with the Pareto front."""
-    fig = pareto_figure(plt, runs)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def pareto_figure(plt, runs: list[dict]):
     """The Pareto figure: numbered points (legend on the right: names would overlap), labels kept apart, the
     front as a staircase through its points (the best accuracy reached at that speed or faster), plain-number log ticks.
@@ -190,13 +183,6 @@ def label_offsets(anchors: list[list[float]], spacing: float) -> list[tuple[floa
     return offsets
 
 
-def plot_calls(plt, runs: list[dict], path: Path) -> None:
-    """Tokens per row-call and forward tokens per generated token, one bar per configuration."""
-    fig = calls_figure(plt, runs)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def calls_figure(plt, runs: list[dict]):
     """The tokens-per-call figure. Both axes are linear from 0: every bar shows (a log axis starts above the
     smallest bar, ar's, and hides it) and the drafter's part stacked on the target's keeps its true length.
@@ -217,13 +203,6 @@ def calls_figure(plt, runs: list[dict]):
         ax.grid(alpha=0.3, axis="x")
     fig.tight_layout()
     return fig
-
-
-def plot_acceptance(plt, runs: list[dict], path: Path) -> None:
-    """P(drafts 0..j all accepted | j proposed) against window position j, per speculative configuration."""
-    fig = acceptance_figure(plt, runs)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 LINE_STYLES = ("-", "--", "-.", ":")
@@ -254,13 +233,6 @@ def acceptance_figure(plt, runs: list[dict]):
         ax.text(0.5, 0.5, "no speculative configuration", ha="center", transform=ax.transAxes)
     fig.tight_layout()
     return fig
-
-
-def plot_entropy(plt, runs: list[dict], path: Path) -> None:
-    """Acceptance against the target's entropy: binned means and the fitted line, one colour per configuration."""
-    fig = entropy_figure(plt, runs)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def entropy_figure(plt, runs: list[dict]):
@@ -298,8 +270,13 @@ def write_plots(runs: list[dict], folder: Path) -> list[str]:
     plt = cost_model.pyplot()
     if plt is None:
         return []
-    plots = {"pareto.png": plot_pareto, "tokens_per_call.png": plot_calls, "acceptance.png": plot_acceptance,
-             "acceptance_entropy.png": plot_entropy}
-    for name, plot in plots.items():
-        plot(plt, runs, folder / name)
+    # pareto: accuracy against tokens/s with the front; tokens_per_call: tokens per row-call and forward tokens
+    # per generated token; acceptance: P(drafts 0..j accepted | j proposed) by window position; acceptance_entropy:
+    # acceptance against the target's entropy
+    plots = {"pareto.png": pareto_figure, "tokens_per_call.png": calls_figure, "acceptance.png": acceptance_figure,
+             "acceptance_entropy.png": entropy_figure}
+    for name, figure in plots.items():
+        fig = figure(plt, runs)
+        fig.savefig(folder / name, dpi=120)
+        plt.close(fig)
     return list(plots)

@@ -1,12 +1,12 @@
 """Cost of fef's draft-head steps against one backbone call at a target's shape (random weights, no download).
 
-    python -m dllm.eval.head_cost --arch llada-8b --output runs/head_cost                 # on a GPU
-    python -m dllm.eval.head_cost --arch tiny-bidirectional --layers 1,2 --output /tmp/hc   # a CPU smoke run
+    python -m dllm.eval.study.head_cost --arch llada-8b --output runs/head_cost                 # on a GPU
+    python -m dllm.eval.study.head_cost --arch tiny-bidirectional --layers 1,2 --output /tmp/hc   # a CPU smoke run
 
 fef with ``draft="head"`` adds W cached head steps to every round (``dllm/models/draft_head.py``), and they pay
 only where they cost little against the round's backbone call. Measured here, at ``--rows`` rows:
 
-- the backbone's state call, built as the cost model builds a target (``eval/cost_model.py: build``, random
+- the backbone's state call, built as the cost model builds a target (``eval/study/cost_model.py: build``, random
   weights at a few depths, fitted to the target's full depth): without a cache, one forward over the
   ``--context`` tokens before the block and the ``--block`` tokens of it (LLaDA's bidirectional layout); with
   the block cache, the block alone against ``--context`` cached tokens (the block-diffusion shape);
@@ -39,7 +39,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m dllm.eval.head_cost", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m dllm.eval.study.head_cost", description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", default="llada-8b", help=f"a preset ({', '.join(ARCHS)}) or a model folder")
     p.add_argument("--layers", help="depths measured, comma-separated (default 2,4 on CUDA, 1,2 elsewhere)")
     p.add_argument("--rows", type=int, default=1, help="batch rows (default 1)")

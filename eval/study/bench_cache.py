@@ -5,8 +5,8 @@ measured in one run on the same prompts (ratios are what to read: absolute times
 machines). Also reports how far the approximate Fast-dLLM caches (prefix, dual) drift from the exact
 output on a bidirectional model (fraction of answer tokens that differ at temperature 0).
 
-    python -m dllm.eval.bench_cache --new-tokens 256 --block-length 32
-    python -m dllm.eval.bench_cache --model dllm/weights/diffusion   # a trained block-causal model
+    python -m dllm.eval.study.bench_cache --new-tokens 256 --block-length 32
+    python -m dllm.eval.study.bench_cache --model dllm/weights/diffusion   # a trained block-causal model
 """
 
 from __future__ import annotations
