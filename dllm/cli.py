@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -62,7 +64,10 @@ def run_guarded(command: str, run: Callable[[], int]) -> int:
     their type when that is not a plain bad-input error.
     """
     try:
-        return run()
+        with warnings.catch_warnings():
+            if not os.environ.get("DLLM_DEBUG"):  # a warning is one line too (a capped window, a cache run uncached)
+                warnings.showwarning = functools.partial(_say_warning, command)
+            return run()
     except SystemExit:
         raise
     except KeyboardInterrupt:
@@ -75,6 +80,10 @@ def run_guarded(command: str, run: Callable[[], int]) -> int:
             raise
         print(f"dllm {command}: {_one_line(error)}", file=sys.stderr)
         return USAGE if isinstance(error, _USAGE_ERRORS) else 1
+
+
+def _say_warning(command: str, message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"dllm {command}: warning: {' '.join(str(message).split())}", file=sys.stderr)
 
 
 def _one_line(error: BaseException) -> str:

@@ -1,6 +1,7 @@
 """The dllm command line: generate on a checkpoint, on the demo, with steps and JSON output."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -416,6 +417,17 @@ def test_no_prompt_says_which_question_it_decodes(checkpoints, capsys):
     assert main(["generate", "--model", str(checkpoints["diffusion"]), "--max-new-tokens", "2"]) == 0
     assert capsys.readouterr().err == f"no prompt given: using the demo question {_DEFAULT_PROMPT!r}\n"
     assert main(["generate", "Tom", "--model", str(checkpoints["diffusion"]), "--max-new-tokens", "2"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_a_capped_window_is_said_in_one_line(checkpoints, capsys):
+    argv = ["generate", "Tom", "--model", str(checkpoints["diffusion"]), "--max-new-tokens", "4"]
+    assert main([*argv, "--option", "window=6"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and re.fullmatch(r"dllm generate: warning: window=6 is longer than block_length=2: fef "
+                                          r"drafts at most 2 tokens a round \(the window is capped at the block\)",
+                                          err[0]), err  # the test checkpoint's blocks are 2 long
+    assert main([*argv, "--option", "window=2"]) == 0
     assert capsys.readouterr().err == ""
 
 
