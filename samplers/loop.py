@@ -46,7 +46,7 @@ def run(
     ``stepping.build(temperature, generator, stats, blocks, block_length, **options)`` builds.
 
     The loop is written out here, not in a helper, so that a model call is four frames below ``generate``
-    (this loop, the step, the session, the model: ``python -m dllm.eval.call_depth``).
+    (this loop, the step, the session, the model: ``python -m dllm.eval.study.call_depth``).
     """
     layout = stepping.layout(model, options) if stepping.layout is not None else None
     if layout is not None:  # a model layout with its own exact loop (the two-stream layout: samplers/fef/two_stream.py)
