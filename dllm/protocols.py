@@ -72,6 +72,14 @@ def is_causal_model(model: object) -> bool:
 #   sampler's blocks (which start at the answer). The sampler's block_length must equal block_size for
 #   the exact block cache. ``block_logits_only``: the model gives logits only inside its active block,
 #   so a sampler's blocks must nest inside the model's.
+#   ``block_anchor`` says where the model's blocks were anchored in training: "answer" (the default; the
+#   project's block-causal models, trained with blocks starting at the answer) or "absolute" (blocks start at
+#   each row's first real token, position id 0, so the prompt is block-causal too and the answer's first block
+#   may begin inside the prompt's last one: SDAR, TraDo, LLaDA2). For "absolute" a sampler passes
+#   ``block_offset`` 0 (zeros [N]), lets the first answer block end at the next multiple of block_size (the
+#   prompt's tail shares that model block), caches only whole model blocks (the prompt's tail is re-read with
+#   the first block until that block is finished) and fills the last block out with masks to a multiple of
+#   block_size (the model's own generation always sees whole blocks).
 #
 # KV cache (``cache``): ``model.new_cache()`` returns a cache with ``.length`` (int), ``.crop(length: int)``
 #   (in place) and ``.select(rows: LongTensor) -> cache``. ``model.forward_cached(input_ids [N, n], cache, *,
@@ -111,6 +119,9 @@ def is_causal_model(model: object) -> bool:
 # ---------------------------------------------------------------------------------------------------------
 
 
+BLOCK_ANCHORS = ("answer", "absolute")  # where a block-causal model's blocks start (Capabilities.block_anchor)
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """What a model offers beyond ``model(input_ids) -> logits``; the defaults are a bare logits function's."""
@@ -119,6 +130,7 @@ class Capabilities:
     padding_note: str | None = None  # why padding cannot be honoured, when accepts_attention_mask is False
     context_length: int | None = None
     block_size: int | None = None
+    block_anchor: str = "answer"  # where blocks start, one of BLOCK_ANCHORS (see the block_size notes above)
     block_logits_only: bool = False
     needs_prompt: bool = False
     cache: bool = False  # new_cache() and forward_cached()
@@ -142,6 +154,8 @@ class Capabilities:
     def __post_init__(self) -> None:
         object.__setattr__(self, "context_length", _positive_int(self.context_length))
         object.__setattr__(self, "block_size", _positive_int(self.block_size))
+        if self.block_anchor not in BLOCK_ANCHORS:
+            raise ValueError(f"block_anchor must be one of {BLOCK_ANCHORS}, got {self.block_anchor!r}")
 
 
 def _positive_int(value) -> int | None:
@@ -168,6 +182,7 @@ def capabilities(model: object) -> Capabilities:
         padding_note=getattr(model, "padding_note", None),
         context_length=getattr(model, "context_length", None),
         block_size=getattr(model, "block_size", None),
+        block_anchor=getattr(model, "block_anchor", "answer"),
         block_logits_only=bool(getattr(model, "block_logits_only", False)),
         needs_prompt=bool(getattr(model, "needs_prompt", False)),
         cache=cache,

@@ -11,7 +11,8 @@ import torch
 
 from dllm.defaults import auto_dtype
 
-KINDS = ("auto", "llada", "dream", "diffusion_gemma", "mlm", "causal", "dllm", "remote")
+KINDS = ("auto", "llada", "dream", "sdar", "diffusion_gemma", "mlm", "causal", "dllm", "remote")
+NATIVE_KINDS = ("llada", "dream", "sdar")  # read by dllm.models.native: no file of the checkpoint runs
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt", "vocab.json")
 _HUB_KEYS = ("revision", "token", "cache_dir", "local_files_only")  # what reading a hub config.json may need
 
@@ -21,7 +22,8 @@ def load(name_or_path: str | os.PathLike, kind: str = "auto", device: str | torc
     """Load a checkpoint as a dllm model carrying ``.tokenizer`` (None when the checkpoint has none).
 
     kind: "llada", "dream" (native ``dllm.models.native.NativeLM``: the checkpoint's Python files never run;
-    ``trust_remote_code=True`` takes kind "remote" instead), "diffusion_gemma" (transformers'
+    ``trust_remote_code=True`` takes kind "remote" instead), "sdar" (native too: SDAR / TraDo block diffusion,
+    ``model_type: sdar``; there is no remote kind for it), "diffusion_gemma" (transformers'
     DiffusionGemmaForBlockDiffusion, see ``DiffusionGemmaAdapter``), "mlm" (``AutoModelForMaskedLM``),
     "causal" (``AutoModelForCausalLM``), "dllm" (this project's TransformerLM folder), "remote" (a LLaDA or
     Dream checkpoint through its own hub code, guarded: see ``dllm.models.remote``; also what
@@ -29,8 +31,9 @@ def load(name_or_path: str | os.PathLike, kind: str = "auto", device: str | torc
     architectures, or our ``layout`` key).
     device, dtype: where and in what precision to load; None keeps CPU and the checkpoint's dtype; dtype "auto"
     is ``dllm.defaults.auto_dtype(device)`` (bf16 only where the device computes it natively).
-    kw: ``mask_token_id`` (override, diffusion kinds), ``tokenizer`` (a tokenizer, or a path to load one from),
-    ``device_map`` (native llada/dream: accelerate placement), ``trust_remote_code``; the rest goes to
+    kw: ``mask_token_id`` (override, diffusion kinds), ``block_size`` (sdar: override of the block size, else
+    config.json's, else 4), ``tokenizer`` (a tokenizer, or a path to load one from), ``device_map`` (native
+    llada/dream/sdar: accelerate placement), ``trust_remote_code``; the rest goes to
     ``from_pretrained`` (revision, ...).
     A local folder never reaches the network (local_files_only=True), nor does the bare name of a model this
     package ships (``dllm.load("two_stream")``: ``dllm/weights/two_stream``); a hub id goes to transformers as is,
@@ -44,10 +47,12 @@ def load(name_or_path: str | os.PathLike, kind: str = "auto", device: str | torc
     kind = _resolve_kind(kind, detect_kind(config), name_or_path, config, kw)
     if kind == "remote":
         return _load_remote(str(name_or_path), detect_kind(config), local, device, dtype, kw)
-    if kind in ("llada", "dream"):
+    if kind in NATIVE_KINDS:
         from dllm.models.native import load_native  # no file of the checkpoint is imported or run
 
-        kw.pop("trust_remote_code", None)  # False here: True chose kind "remote" above
+        if kw.pop("trust_remote_code", None) is True and kind == "sdar":  # (llada/dream took kind "remote" above)
+            raise ValueError("trust_remote_code=True: SDAR checkpoints load natively only (dllm never runs their hub "
+                             "code, and has no kind='remote' for them); drop trust_remote_code")
         return load_native(local or str(name_or_path), kind, device, dtype, **kw)
     if kind == "dllm":
         return _load_dllm(local, name_or_path, device, dtype, kw)
@@ -64,6 +69,8 @@ def detect_kind(config: dict) -> str | None:
         return "llada"
     if any(name.startswith("dream") for name in names):
         return "dream"
+    if any(name.startswith("sdar") for name in names):  # before "causal": SDARForCausalLM is block diffusion
+        return "sdar"
     if any(name.startswith(("diffusion_gemma", "diffusiongemma")) for name in names):
         return "diffusion_gemma"
     if any(name.endswith("formaskedlm") for name in names):

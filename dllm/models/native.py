@@ -1,4 +1,4 @@
-"""Native LLaDA and Dream: the hub's config.json, safetensors and tokenizer.json read into TransformerLM.
+"""Native LLaDA, Dream and SDAR: the hub's config.json, safetensors and tokenizer.json read into TransformerLM.
 
 No file of the checkpoint is imported or executed (no ``trust_remote_code``), so transformers upgrades cannot
 break these families and the project's caches and structured verifier apply. Semantics follow the real
@@ -10,12 +10,24 @@ modelling code (``shared/remote_code``, checked by parity tests):
   - Dream (``modeling_dream.py``, Qwen2-style): q/k/v biases, grouped-query attention, ``rope_theta``,
     ``rms_norm_eps``, bidirectional attention; raw logits at i score token i + 1, so logits at p read the
     state at p - 1 (``shift_logits``, as Dream's ``diffusion_generate`` shifts them).
-Both compute RoPE and RMSNorm in float32 whatever the weights' dtype (the real Dream code rotates in the
+  - SDAR (``modeling_sdar.py``, JetAstra's; TraDo has the same ``model_type: sdar``): Qwen3's dense layout, i.e.
+    Dream's without biases plus an RMSNorm of each query and key head before rotary (``qk_norm``), a
+    ``head_dim`` of its own (SDAR-4B: 32 heads of 128 over hidden 2560); block-causal attention (bidirectional
+    inside blocks of ``block_size``, causal across them) with blocks anchored at absolute position 0, so the
+    prompt is block-causal too (``Capabilities.block_anchor`` "absolute"; the official
+    ``block_diffusion_generate`` builds that mask); logits are not shifted (position i scores token i). The hub's
+    config.json names neither the block size nor the mask token (servers hard-code them): ``block_size`` comes
+    from ``dllm.load(..., block_size=)``, else config.json's ``block_size``, else 4 (the public chat models; other
+    block sizes are separate checkpoints); the mask id from ``mask_token_id=``, config.json, the tokenizer's
+    mask token (``<|MASK|>``; ``<MASK>`` in the training repository's added_tokens.json), else 151669
+    (SDAR-4B-Chat's).
+All compute RoPE and RMSNorm in float32 whatever the weights' dtype (the real Dream and SDAR code rotates in the
 model dtype; in float32 the two are the same).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -29,16 +41,22 @@ import torch
 
 from dllm.models.checkpoint import Target, load_checkpoint
 from dllm.models.hf import DreamAdapter, LLaDAAdapter, find_mask_token_id, special_ids
+from dllm.models.remote import FAMILIES as REMOTE_FAMILIES
 from dllm.models.transformer import TransformerConfig, TransformerLM
+from dllm.numerics import check_int
+from dllm.protocols import Capabilities
 
-FAMILIES = ("llada", "dream")
+FAMILIES = ("llada", "dream", "sdar")
 # What a hub download fetches: configs, weights and tokenizer files, never the checkpoint's Python code.
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]
-_OPTIONS = ("device_map", "tokenizer", "mask_token_id", "revision", "token", "cache_dir", "local_files_only")
+_OPTIONS = ("device_map", "tokenizer", "mask_token_id", "block_size", "revision", "token", "cache_dir",
+            "local_files_only")
+SDAR_BLOCK_SIZE = 4  # the public SDAR / TraDo chat models' block; their config.json does not say it
+SDAR_MASK_TOKEN_ID = 151669  # SDAR-4B-Chat's mask token, hard-coded by its servers when nothing names it
 
 
 class NativeLM(TransformerLM):
-    """A LLaDA or Dream checkpoint as a TransformerLM, carrying what samplers read from an adapter.
+    """A LLaDA, Dream or SDAR checkpoint as a TransformerLM, carrying what samplers read from an adapter.
 
     Inference only: calls run under ``torch.inference_mode()`` and parameters need no gradient. Logits are
     float32 [B, L, V], V the output layer's rows; the mask token's logit is -inf.
@@ -58,6 +76,11 @@ class NativeLM(TransformerLM):
     def dtype(self) -> torch.dtype:
         return next(self.parameters()).dtype
 
+    @property
+    def capabilities(self) -> Capabilities:
+        """TransformerLM's record plus where this family's blocks start (SDAR: "absolute", at position 0)."""
+        return dataclasses.replace(super().capabilities, block_anchor=_FAMILIES[self.family].block_anchor)
+
     @torch.inference_mode()
     def forward(self, *args, **kwargs):
         return super().forward(*args, **kwargs)
@@ -72,8 +95,9 @@ class NativeLM(TransformerLM):
 
     def __repr__(self) -> str:
         c = self.config
+        blocks = f", block_size={c.block_size}" if c.block_size is not None else ""
         return (f"NativeLM({self.family}, dim={c.dim}, n_layers={c.n_layers}, n_heads={c.n_heads}, "
-                f"n_kv_heads={c.n_kv_heads}, vocab_size={self.vocab_size})")
+                f"n_kv_heads={c.n_kv_heads}, head_dim={c.head_dim}, vocab_size={self.vocab_size}{blocks})")
 
 
 # ------------------------------------------------------------------ hub config.json -> TransformerConfig
@@ -85,7 +109,14 @@ def _require(hub: dict, family: str, supported: dict[str, tuple]) -> None:
         value = hub.get(key, default)
         if value not in allowed:
             raise ValueError(f"native {family}: config.json {key}={value!r} is not supported (allowed: {allowed}); "
-                             f"load with kind='remote' to run the checkpoint's own code")
+                             f"{_elsewhere(family)}")
+
+
+def _elsewhere(family: str) -> str:
+    """Where a checkpoint the native model refuses can still run (the end of a refusal's message)."""
+    if family in REMOTE_FAMILIES:
+        return "load with kind='remote' to run the checkpoint's own code"
+    return f"dllm has no other loader for {family} checkpoints (it never runs their hub code)"
 
 
 # key: (the real code's default when absent, allowed values...)
@@ -98,6 +129,9 @@ _LLADA_SUPPORTED = {
 }
 _DREAM_SUPPORTED = {
     "hidden_act": ("silu", "silu"), "rope_scaling": (None, None), "use_sliding_window": (False, False),
+}
+_SDAR_SUPPORTED = {  # attention_bias would put biases on q/k/v and the output projection, which has none here
+    "hidden_act": ("silu", "silu"), "attention_bias": (False, False), "use_sliding_window": (False, False),
 }
 
 
@@ -112,12 +146,35 @@ def _rope_theta(hub: dict, family: str, default: float) -> float:
     kind = parameters.get("rope_type", parameters.get("type", "default"))
     if kind != "default":
         raise ValueError(f"native {family}: config.json rope_parameters rope_type={kind!r} is not supported "
-                         f"(allowed: ['default']); load with kind='remote' to run the checkpoint's own code")
+                         f"(allowed: ['default']); {_elsewhere(family)}")
     theta = parameters.get("rope_theta", hub.get("rope_theta", default))
     if "rope_theta" in hub and float(hub["rope_theta"]) != float(theta):
         raise ValueError(f"native {family}: config.json rope_theta={hub['rope_theta']!r} and "
                          f"rope_parameters['rope_theta']={theta!r} differ; fix the config to the model's value")
     return float(theta)
+
+
+def _rope_scaling(hub: dict, family: str) -> None:
+    """Refuse a ``rope_scaling`` other than none (or its "default" kind): linear, dynamic, yarn, ... rescale the
+    rotary angles, which the native model does not."""
+    scaling = hub.get("rope_scaling")
+    if scaling is None:
+        return
+    kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else scaling
+    if kind != "default":
+        raise ValueError(f"native {family}: config.json rope_scaling={scaling!r} is not supported (allowed: null "
+                         f"or rope_type 'default'); {_elsewhere(family)}")
+
+
+def _block_size(hub: dict, family: str, given: int | None, default: int) -> int:
+    """The block size: ``given`` (checked at the door), else config.json's ``block_size``, else ``default``."""
+    if given is not None:
+        return given
+    value = hub.get("block_size", default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"native {family}: config.json block_size must be a positive int, got {value!r}; fix the "
+                         f"config or pass block_size= to dllm.load")
+    return value
 
 
 def llada_config(hub: dict, mask_token_id: int, eos_token_id, pad_token_id) -> TransformerConfig:
@@ -150,6 +207,27 @@ def dream_config(hub: dict, mask_token_id: int, eos_token_id, pad_token_id) -> T
         tie_embeddings=bool(hub.get("tie_word_embeddings", False)), qkv_bias=True, shift_logits=True)
 
 
+def sdar_config(hub: dict, mask_token_id: int, eos_token_id, pad_token_id,
+                block_size: int | None = None) -> TransformerConfig:
+    """TransformerConfig of an SDAR config.json (configuration_sdar.py's keys and defaults): block-causal, blocks of
+    ``block_size`` (None: config.json's ``block_size``, else SDAR_BLOCK_SIZE), per-head q/k norms, unshifted logits.
+    A ``head_dim`` of null is hidden / heads (Qwen3's rule; SDAR's own code needs it set)."""
+    _require(hub, "sdar", _SDAR_SUPPORTED)
+    _rope_scaling(hub, "sdar")
+    heads = hub.get("num_attention_heads", 32)
+    dim = hub.get("hidden_size", 4096)
+    head_dim = hub.get("head_dim", 128)
+    return TransformerConfig(
+        vocab_size=hub.get("vocab_size", 151936), dim=dim, n_layers=hub.get("num_hidden_layers", 32),
+        n_heads=heads, n_kv_heads=hub.get("num_key_value_heads") or heads,
+        head_dim=dim // heads if head_dim is None else head_dim, qk_norm=True,
+        mlp_hidden=hub.get("intermediate_size", 22016), max_seq_len=hub.get("max_position_embeddings", 32768),
+        rope_theta=_rope_theta(hub, "sdar", 10000.0), layout="block_causal",
+        block_size=_block_size(hub, "sdar", block_size, SDAR_BLOCK_SIZE), mask_token_id=mask_token_id,
+        eos_token_id=eos_token_id, pad_token_id=pad_token_id, norm_eps=float(hub.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(hub.get("tie_word_embeddings", False)), qkv_bias=False, shift_logits=False)
+
+
 # ------------------------------------------------------------------ hub weight names -> ours
 
 # Per-layer tables: hub name after the layer prefix -> (our name after "layers.{i}.", fused slot or None).
@@ -180,35 +258,49 @@ DREAM_LAYER = {
 }
 DREAM_TOP = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
              "lm_head.weight": "output.weight"}
+# SDAR is Qwen3's layout: Dream's (Qwen2's) names without the q/k/v biases, plus each layer's per-head q/k norms.
+SDAR_LAYER = {**{name: row for name, row in DREAM_LAYER.items() if not name.endswith(".bias")},
+              "self_attn.q_norm.weight": ("attn.q_norm.weight", None),
+              "self_attn.k_norm.weight": ("attn.k_norm.weight", None)}
+SDAR_TOP = DREAM_TOP
 
 
 @dataclass(frozen=True)
 class _Family:
-    """One architecture's tables: config mapping, weight names, and the adapter whose token rules it shares."""
+    """One architecture's tables: config mapping, weight names, and its token and block rules."""
 
     config: Callable[..., TransformerConfig]
     layer_prefix: str
     layer: dict[str, tuple[str, str | None]]
     top: dict[str, str]
     ignored: str  # regex of hub tensors that are computed, not loaded (rotary tables)
-    adapter: type
+    mask_token_names: tuple[str, ...]  # tokens that mean "mask" when neither config.json nor the tokenizer names one
     bpe_tokenizer: str | None = None  # transformers' class for vocab.json + merges.txt when there is no tokenizer.json
+    default_mask_token_id: int | None = None  # when nothing names one (what the family's servers hard-code)
+    block_causal: bool = False  # config takes block_size= (dllm.load's block_size option)
+    block_anchor: str = "answer"  # Capabilities.block_anchor: where the family's blocks start
 
 
+_ROTARY = r"(^|\.)rotary_emb\.inv_freq$"
 _FAMILIES = {
-    "llada": _Family(llada_config, "model.transformer.blocks.", LLADA_LAYER, LLADA_TOP, r"$^", LLaDAAdapter),
+    "llada": _Family(llada_config, "model.transformer.blocks.", LLADA_LAYER, LLADA_TOP, r"$^",
+                     LLaDAAdapter.mask_token_names),
     # Dream's hub tokenizer is its own tokenization_dream.py, Qwen2's byte-level BPE with Qwen2's pre-tokenizer
     # regex: transformers' Qwen2Tokenizer reads the same vocab.json/merges.txt without running that file.
-    "dream": _Family(dream_config, "model.layers.", DREAM_LAYER, DREAM_TOP, r"(^|\.)rotary_emb\.inv_freq$",
-                     DreamAdapter, "Qwen2Tokenizer"),
+    "dream": _Family(dream_config, "model.layers.", DREAM_LAYER, DREAM_TOP, _ROTARY, DreamAdapter.mask_token_names,
+                     "Qwen2Tokenizer"),
+    # SDAR's tokenizer is Qwen3's (the same byte-level BPE, class Qwen2Tokenizer).
+    "sdar": _Family(sdar_config, "model.layers.", SDAR_LAYER, SDAR_TOP, _ROTARY, ("<|MASK|>", "<MASK>"),
+                    "Qwen2Tokenizer", default_mask_token_id=SDAR_MASK_TOKEN_ID, block_causal=True,
+                    block_anchor="absolute"),
 }
 
 
 def weight_renamer(family: str, config: TransformerConfig) -> Callable[[str], Target | None]:
     """The hub-name -> Target function of ``family`` for a model built from ``config`` (KeyError if unknown)."""
     spec = _FAMILIES[family]
-    kv_dim = config.n_kv_heads * config.head_dim
-    offsets = {None: 0, "q": 0, "k": config.dim, "v": config.dim + kv_dim, "gate": 0, "up": config.mlp_hidden}
+    q_dim, kv_dim = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+    offsets = {None: 0, "q": 0, "k": q_dim, "v": q_dim + kv_dim, "gate": 0, "up": config.mlp_hidden}
     layer_name = re.compile(re.escape(spec.layer_prefix) + r"(\d+)\.(.+)$")
 
     def rename(hub_name: str) -> Target | None:
@@ -235,33 +327,36 @@ def weight_renamer(family: str, config: TransformerConfig) -> Callable[[str], Ta
 
 def load_native(name_or_path: str | os.PathLike, family: str, device=None, dtype: torch.dtype | None = None,
                 **kw: Any) -> NativeLM:
-    """A LLaDA or Dream checkpoint (local folder or hub id) as a NativeLM with ``.tokenizer``; no hub code runs.
+    """A LLaDA, Dream or SDAR checkpoint (local folder or hub id) as a NativeLM with ``.tokenizer``; no hub code runs.
 
     kw: ``device_map`` (accelerate placement across GPUs, instead of ``device``), ``tokenizer`` (object or
-    path), ``mask_token_id`` (override); for a hub id, ``revision``, ``token``, ``cache_dir``, ``local_files_only``.
+    path), ``mask_token_id`` (override), ``block_size`` (block-causal families: override of config.json's, or of
+    the family's default); for a hub id, ``revision``, ``token``, ``cache_dir``, ``local_files_only``.
     """
     if family not in FAMILIES:
         raise ValueError(f"family must be one of {list(FAMILIES)}, got {family!r}")
     unknown = sorted(set(kw) - set(_OPTIONS))
     if unknown:
         raise TypeError(f"native {family} loading takes the keywords {list(_OPTIONS)}, got {unknown}")
+    spec = _FAMILIES[family]
+    block_size = kw.get("block_size")
+    if block_size is not None:
+        if not spec.block_causal:
+            blocky = [name for name, f in _FAMILIES.items() if f.block_causal]
+            raise TypeError(f"block_size= is for the block-causal families {blocky}; native {family} attends "
+                            f"bidirectionally (a sampler's block_length sets its blocks)")
+        check_int("block_size", block_size, 1)
     device_map = kw.get("device_map")
     if device == "auto":  # dllm.load's device="auto" means accelerate's placement, as in from_pretrained
         device, device_map = None, "auto"
     folder = _folder(name_or_path, kw)
     hub = json.loads((folder / "config.json").read_text())
-    spec = _FAMILIES[family]
     tokenizer = _tokenizer(kw.get("tokenizer"), folder, spec.bpe_tokenizer)
     namespace = types.SimpleNamespace(**hub)  # the attribute view the adapters' id helpers read
-    mask_token_id = kw.get("mask_token_id")
-    if mask_token_id is None:
-        mask_token_id = find_mask_token_id(namespace, tokenizer, spec.adapter.mask_token_names)
-    if mask_token_id is None:
-        raise ValueError(f"native {family}: {folder} names no mask token (config.json mask_token_id, the "
-                         f"tokenizer's mask_token, or one of {list(spec.adapter.mask_token_names)}); "
-                         "pass mask_token_id= to dllm.load")
+    mask_token_id = _mask_token_id(kw.get("mask_token_id"), family, folder, namespace, tokenizer)
     eos, pad, stops = special_ids(namespace, tokenizer)
-    config = spec.config(hub, mask_token_id, eos, pad)
+    blocks = {"block_size": block_size} if spec.block_causal else {}
+    config = spec.config(hub, mask_token_id, eos, pad, **blocks)
     from accelerate import init_empty_weights
 
     with init_empty_weights():
@@ -273,6 +368,25 @@ def load_native(name_or_path: str | os.PathLike, family: str, device=None, dtype
     model.requires_grad_(False).eval()
     model.tokenizer, model.stop_token_ids = tokenizer, stops
     return model
+
+
+def _mask_token_id(given: int | None, family: str, folder: Path, config, tokenizer) -> int:
+    """``given``, else the id config.json or the tokenizer names (``find_mask_token_id``), else the family's
+    default when it has one and the vocabulary holds it; a ValueError naming mask_token_id= otherwise."""
+    spec = _FAMILIES[family]
+    if given is not None:
+        return given
+    found = find_mask_token_id(config, tokenizer, spec.mask_token_names)
+    if found is not None:
+        return found
+    default, vocab_size = spec.default_mask_token_id, getattr(config, "vocab_size", None)
+    if default is not None and (vocab_size is None or default < vocab_size):
+        return default
+    named = f"config.json mask_token_id, the tokenizer's mask_token, or one of {list(spec.mask_token_names)}"
+    unusable = (f"; the family's default {default} is outside its vocab_size={vocab_size}"
+                if default is not None else "")
+    raise ValueError(f"native {family}: {folder} names no mask token ({named}){unusable}; "
+                     "pass mask_token_id= to dllm.load")
 
 
 def _folder(name_or_path, kw: dict) -> Path:

@@ -70,6 +70,8 @@ class TransformerConfig:
     tie_embeddings: bool = True
     qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2-style checkpoints such as Dream)
     shift_logits: bool = False  # logits at position p read the last-layer state at p - 1 (Dream's AR init)
+    head_dim: int | None = None  # None -> dim // n_heads; Qwen3-style checkpoints (SDAR) may set another width
+    qk_norm: bool = False  # RMSNorm of each query and key head over head_dim before rotary (Qwen3's q_norm / k_norm)
 
     def __post_init__(self):
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len"):
@@ -85,18 +87,25 @@ class TransformerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
                 raise ValueError(f"{name} must be a positive number, got {value!r}")
-        for name in ("tie_embeddings", "qkv_bias", "shift_logits"):
+        for name in ("tie_embeddings", "qkv_bias", "shift_logits", "qk_norm"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.shift_logits and self.layout == "causal":
             raise ValueError("shift_logits is for diffusion layouts; a causal layout already scores the next token")
 
     def _check_heads(self) -> None:
-        """Head counts divide evenly and leave an even head_dim (rotary rotates pairs)."""
-        if self.dim % self.n_heads:
-            raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
-        if (self.dim // self.n_heads) % 2:
-            raise ValueError(f"head_dim = dim / n_heads = {self.dim // self.n_heads} must be even for rotary")
+        """Head counts divide evenly and head_dim is even (rotary rotates pairs); head_dim None is dim / n_heads,
+        an explicit one may differ (Qwen3-style attention projects dim to n_heads x head_dim and back)."""
+        if self.head_dim is None:
+            if self.dim % self.n_heads:
+                raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads}) when head_dim is "
+                                 f"None (derived as dim / n_heads)")
+            if (self.dim // self.n_heads) % 2:
+                raise ValueError(f"head_dim = dim / n_heads = {self.dim // self.n_heads} must be even for rotary")
+            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+        _check_positive_int("head_dim", self.head_dim)
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary, got {self.head_dim}")
         if self.n_kv_heads is None:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
         _check_positive_int("n_kv_heads", self.n_kv_heads)
@@ -115,10 +124,6 @@ class TransformerConfig:
             raise ValueError("mask_token_id must be None for layout='causal' (an AR model has no mask token)")
         if self.layout != "causal" and self.mask_token_id is None:
             raise ValueError(f"mask_token_id is required for layout={self.layout!r}")
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict of all fields (defaults resolved), JSON-serialisable."""
@@ -207,21 +212,26 @@ class _RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: Tensor) -> Tensor:  # [B, L, dim] -> [B, L, dim]
+    def forward(self, x: Tensor) -> Tensor:  # [..., dim] -> [..., dim]
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return normed.to(x.dtype) * self.weight
 
 
 class _Attention(nn.Module):
-    """Multi-head (optionally grouped-query) attention with rotary positions and a boolean mask."""
+    """Multi-head (optionally grouped-query) attention with rotary positions and a boolean mask; with
+    ``qk_norm`` each query and key head is RMS-normed over head_dim before rotary (Qwen3, SDAR)."""
 
     def __init__(self, config: TransformerConfig):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
-        kv_dim = self.n_kv_heads * self.head_dim
-        self.wqkv = nn.Linear(config.dim, config.dim + 2 * kv_dim, bias=config.qkv_bias)  # one matmul for q, k, v
-        self.wo = nn.Linear(config.dim, config.dim, bias=False)
+        q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        self.wqkv = nn.Linear(config.dim, q_dim + 2 * kv_dim, bias=config.qkv_bias)  # one matmul for q, k, v
+        self.wo = nn.Linear(q_dim, config.dim, bias=False)
+        self.qk_norm = config.qk_norm
+        if config.qk_norm:  # one gain per head channel, shared by the heads
+            self.q_norm = _RMSNorm(self.head_dim, config.norm_eps)
+            self.k_norm = _RMSNorm(self.head_dim, config.norm_eps)
 
     def forward(
         self,
@@ -234,8 +244,11 @@ class _Attention(nn.Module):
         """Attention output [B, L, dim] and this call's keys/values [B, H_kv, L, D] for a cache."""
         kv_dim = self.n_kv_heads * self.head_dim
         q, k, v = self.wqkv(x).split([self.n_heads * self.head_dim, kv_dim, kv_dim], dim=-1)
-        q = _apply_rotary(rearrange(q, "b l (h d) -> b h l d", d=self.head_dim), cos, sin)
-        k = _apply_rotary(rearrange(k, "b l (h d) -> b h l d", d=self.head_dim), cos, sin)
+        q = rearrange(q, "b l (h d) -> b h l d", d=self.head_dim)
+        k = rearrange(k, "b l (h d) -> b h l d", d=self.head_dim)
+        if self.qk_norm:  # per head, before the rotation (as Qwen3's attention)
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = _apply_rotary(q, cos, sin), _apply_rotary(k, cos, sin)
         v = rearrange(v, "b l (h d) -> b h l d", d=self.head_dim)
         new_k, new_v = k, v
         if past is not None:
