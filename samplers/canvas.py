@@ -24,7 +24,14 @@ if TYPE_CHECKING:
 
 @dataclass
 class Canvas:
-    """Prompt plus a masked answer region [B, P + N], decoded in blocks of ``block_length``."""
+    """Prompt plus a masked answer region [B, P + N], decoded in blocks of ``block_length``.
+
+    Blocks start at the answer, or (``lead`` > 0, a model whose blocks are anchored at position 0:
+    ``Capabilities.block_anchor == "absolute"``) ``lead`` positions before it, so that the prompt's last
+    ``lead`` tokens share the first block (every row's prompt then holds ``lead`` tokens modulo the block); the
+    answer region may then run past the N tokens asked for, to the end of a model block (``Canvas.start``'s
+    ``tail``), as the model's own generation does.
+    """
 
     x: torch.Tensor  # [B, L]
     prompt_length: int
@@ -32,23 +39,27 @@ class Canvas:
     mask_token_id: int
     eos_token_id: tuple[int, ...] | None = None  # stop ids (dllm.stops); the first one fills stopped rows
     finished: torch.Tensor | None = None  # [B] rows that stopped at EOS
+    lead: int = 0  # prompt positions inside the first block (absolute block anchors)
     _ahead: tuple | None = field(default=None, repr=False)  # the next block's pending rows, read along (left_in_block)
 
     @classmethod
     def start(cls, prompt: torch.Tensor, gen_length: int, block_length: int, mask_token_id: int,
-              eos_token_id: tuple[int, ...] | None = None) -> Canvas:
-        answer = torch.full((prompt.shape[0], gen_length), mask_token_id, dtype=torch.long, device=prompt.device)
+              eos_token_id: tuple[int, ...] | None = None, lead: int = 0, tail: int = 0) -> Canvas:
+        """The canvas of ``prompt`` [B, P] and ``gen_length`` masked positions, plus ``tail`` more (masked context
+        up to a model block's end; decoded, not returned) and ``lead`` prompt positions in the first block."""
+        answer = torch.full((prompt.shape[0], gen_length + tail), mask_token_id, dtype=torch.long,
+                            device=prompt.device)
         finished = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
         return cls(torch.cat([prompt.long(), answer], dim=1), prompt.shape[1], block_length, mask_token_id,
-                   eos_token_id, finished)
+                   eos_token_id, finished, lead)
 
     @property
     def num_blocks(self) -> int:
-        return (self.x.shape[1] - self.prompt_length) // self.block_length
+        return (self.x.shape[1] - self.prompt_length + self.lead) // self.block_length
 
     def span(self, block: int) -> tuple[int, int]:
         """Canvas positions [start, end) of a block."""
-        start = self.prompt_length + block * self.block_length
+        start = self.prompt_length - self.lead + block * self.block_length
         return start, start + self.block_length
 
     def rows_in_block(self, block: int) -> torch.Tensor:

@@ -5,11 +5,15 @@ function is ``run`` with that bound (``functools.partial``, which adds no call f
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from dllm.numerics import bind_rows
+from dllm.protocols import capabilities
 from dllm.stats import DecodeStats, StepEvent
 
 from .canvas import Canvas
@@ -53,7 +57,16 @@ def run(
         return layout(model, prompt, gen_length, temperature=temperature, generator=generator, stats=stats,
                       block_length=block_length, cache=cache, attention_mask=attention_mask,
                       eos_token_id=eos_token_id, callback=callback)
-    canvas = Canvas.start(prompt, gen_length, block_length, model.mask_token_id, eos_token_id)
+    lead = tail = 0
+    if capabilities(model).block_anchor == "absolute":  # blocks from position 0: the prompt's tail opens block 0
+        groups = _anchor_groups(prompt, attention_mask, capabilities(model).block_size)
+        if len(groups) > 1:  # rows whose prompts end at different places in a block decode apart
+            return _by_group(stepping, model, prompt, gen_length, groups, temperature=temperature, generator=generator,
+                             stats=stats, block_length=block_length, cache=cache, attention_mask=attention_mask,
+                             eos_token_id=eos_token_id, callback=callback, **options)
+        into = groups[0][0]  # the prompts' length modulo the model's block
+        lead, tail = into % block_length, -(into + gen_length) % capabilities(model).block_size
+    canvas = Canvas.start(prompt, gen_length, block_length, model.mask_token_id, eos_token_id, lead, tail)
     stepper: Stepper = stepping.build(temperature, generator, stats, canvas.num_blocks, block_length, **options)
     session = open_session(cache, canvas, model, stats, attention_mask, stepper.lookahead,
                            getattr(stepper, "call_tokens", None))
@@ -68,4 +81,31 @@ def run(
             canvas.stop_at_eos(rows)
             if callback is not None:
                 callback(StepEvent(**info, rows=rows, x=canvas.x[rows], offset=view.offset))
-    return canvas.x
+    return canvas.x[:, : canvas.x.shape[1] - tail]
+
+
+def _anchor_groups(prompt: torch.Tensor, attention_mask: torch.Tensor | None,
+                   block_size: int) -> list[tuple[int, torch.Tensor]]:
+    """Rows by how far their prompt reaches into a model block (real tokens modulo ``block_size``): [(that
+    remainder, rows [G])], one host read. Rows sharing it share every block boundary on the left-padded canvas."""
+    if attention_mask is None:
+        return [(prompt.shape[1] % block_size, torch.arange(prompt.shape[0], device=prompt.device))]
+    into = attention_mask.sum(dim=1) % block_size
+    values = into.tolist()
+    return [(value, (into == value).nonzero().squeeze(1)) for value in sorted(set(values))]
+
+
+def _by_group(stepping: Stepping, model, prompt, gen_length, groups, *, generator, attention_mask, callback,
+              **kwargs) -> torch.Tensor:
+    """``run`` on each group of rows (``_anchor_groups``) -> the batch's sequences [B, P + N]. Per-row generators
+    stay each row's own (bound to the group's rows); callback events name batch rows."""
+    out = torch.empty((prompt.shape[0], prompt.shape[1] + gen_length), dtype=torch.long, device=prompt.device)
+    for _, rows in groups:
+        told = None if callback is None else functools.partial(_renamed, callback, rows)
+        out[rows] = run(stepping, model, prompt[rows], gen_length, generator=bind_rows(generator, rows),
+                        attention_mask=attention_mask[rows], callback=told, **kwargs)
+    return out
+
+
+def _renamed(callback, rows: torch.Tensor, event: StepEvent) -> None:
+    callback(dataclasses.replace(event, rows=rows[event.rows]))

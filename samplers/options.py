@@ -92,9 +92,10 @@ class SamplerConfig:
         # then matches training and the exact block cache applies.
         caps = capabilities(model)
         block_size = caps.block_size
-        nested = caps.block_logits_only and bool(block_size)
+        absolute = bool(block_size) and caps.block_anchor == "absolute"  # blocks from position 0 (Canvas.lead)
+        nested = (caps.block_logits_only or absolute) and bool(block_size)
         if "block_length" in values and values["block_length"] in (MAX_NEW, None) and block_size:
-            if max_new_tokens % block_size == 0:
+            if max_new_tokens % block_size == 0 or absolute:  # (an absolute canvas ends at a block's end itself)
                 values["block_length"] = block_size
             elif nested:  # blocks must nest in the model's: the largest size dividing both
                 values["block_length"] = math.gcd(block_size, max_new_tokens)
@@ -103,10 +104,13 @@ class SamplerConfig:
         for name, opt in options.items():
             opt.check(name, values[name])
         if nested and "block_length" in values and block_size % values["block_length"]:
+            why = ("its blocks start at position 0, so a sampler's blocks nest in them" if absolute else
+                   f"{type(model).__name__} gives logits only inside its own blocks, so a sampler's block may not "
+                   "straddle two of them")
             raise ValueError(f"block_length={values['block_length']} must divide this model's block_size={block_size}: "
-                             f"{type(model).__name__} gives logits only inside its own blocks, so a sampler's "
-                             "block may not straddle two of them")
-        _check_schedule(values, max_new_tokens)
+                             + why)
+        if not absolute:  # an absolute canvas's blocks follow the prompt, not max_new_tokens (Canvas.lead, tail)
+            _check_schedule(values, max_new_tokens)
         _check_cache(values, model)
         for check in self.CHECKS:
             check(values, model)

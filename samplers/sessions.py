@@ -395,11 +395,15 @@ def open_session(cache: str, canvas: Canvas, model, stats: DecodeStats, attentio
     if attention_mask is not None:
         mask = torch.ones((prompt.shape[0], length), dtype=torch.long, device=prompt.device)
         mask[:, : prompt.shape[1]] = attention_mask
-    # Block-causal models line their blocks up with the answer: its first position, in position ids.
+    # Block-causal models line their blocks up with the answer (its first position, in position ids), or with
+    # position 0 when they were trained so (``block_anchor``: the canvas then opens with the prompt's tail).
     offset = None
-    if capabilities(model).block_size is not None:
+    caps = capabilities(model)
+    if caps.block_size is not None:
         real = prompt.new_full((prompt.shape[0],), prompt.shape[1])
         offset = (attention_mask.sum(dim=1) if attention_mask is not None else real).long()
+        if caps.block_anchor == "absolute":
+            offset = torch.zeros_like(offset)
     mode = choose_session(cache, model, canvas.block_length)
     extra = {"lookahead": True} if mode == "block" and lookahead else {}
     return SESSIONS[mode](canvas, Caller(model, stats, mask, offset), call_tokens=call_tokens, **extra)

@@ -14,11 +14,20 @@ from .steppers import DreamStepper, EbStepper, FastDllmStepper, LladaStepper
 
 
 def _llada(temperature, generator, stats, blocks, block_length, *, steps, remasking, cfg_scale) -> LladaStepper:
-    return LladaStepper(temperature, generator, stats, steps // blocks, block_length, remasking, cfg_scale)
+    return LladaStepper(temperature, generator, stats, _per_block(steps, blocks), block_length, remasking, cfg_scale)
 
 
 def _dream(temperature, generator, stats, blocks, block_length, *, steps, alg, alg_temp, top_p, top_k) -> DreamStepper:
-    return DreamStepper(temperature, generator, stats, steps // blocks, alg, alg_temp, top_p, top_k)
+    return DreamStepper(temperature, generator, stats, _per_block(steps, blocks), alg, alg_temp, top_p, top_k)
+
+
+def _per_block(steps: int, blocks: int) -> int:
+    """Steps per block. The configs check ``steps`` against max_new_tokens / block_length; on a model whose blocks
+    start at position 0 the canvas may hold a block more (the prompt's tail opens the first one), known here."""
+    if steps < blocks:
+        raise ValueError(f"steps={steps} must be at least the number of blocks this canvas decodes ({blocks}: the "
+                         "model's blocks start at position 0, so the prompt's tail and the answer span that many)")
+    return steps // blocks
 
 
 llada = functools.partial(run, Stepping(_llada))

@@ -71,14 +71,22 @@ def sequential_distribution(
                          f"order={order!r} chain reads them in reveal order (see tests/test_two_stream.py)")
     causal = not is_diffusion_model(model)
     mask_id = -1 if causal else model.mask_token_id
-    canvas = Canvas.start(prompt[None], gen_length, block_length or gen_length, mask_id)
-    positions = torch.arange(canvas.x.shape[1]) - canvas.prompt_length
+    p, caps = prompt.numel(), capabilities(model)
+    block_length = block_length or gen_length
+    # Block-causal models line their blocks up with the answer, as the samplers call them, or with position 0
+    # (``block_anchor="absolute"``): the prompt's tail then opens the first block, and the canvas runs on with
+    # masks to the end of a model block; those positions are decoded too (the chain's law over the first
+    # gen_length tokens is summed over them).
+    lead = tail = 0
+    if caps.block_size is not None and caps.block_anchor == "absolute":
+        lead, tail = p % block_length, -(p + gen_length) % caps.block_size
+    canvas = Canvas.start(prompt[None], gen_length, block_length, mask_id, lead=lead, tail=tail)
+    positions = torch.arange(canvas.x.shape[1]) - canvas.span(0)[0]
     block_ids = torch.where(positions >= 0, positions // canvas.block_length, -1)
     states, probs = canvas.x, torch.ones(1, dtype=torch.float64)
-    p = prompt.numel()
-    # Block-causal models line their blocks up with the answer, as the samplers call them.
-    extra = {"block_offset": torch.tensor([p])} if capabilities(model).block_size is not None else {}
-    for step in range(gen_length):
+    offset = 0 if caps.block_anchor == "absolute" else p
+    extra = {"block_offset": torch.tensor([offset])} if caps.block_size is not None else {}
+    for step in range(gen_length + tail):
         if causal:
             logits = model(states[:, : p + step])[:, -1]
             position = torch.full((states.shape[0],), p + step)
@@ -96,6 +104,6 @@ def sequential_distribution(
         states[torch.arange(parent.numel()), position[parent]] = token
         probs = probs[parent] * step_probs[parent, token]
     out: dict[tuple[int, ...], float] = {}
-    for answer, prob in zip(states[:, p:].tolist(), probs.tolist()):
+    for answer, prob in zip(states[:, p : p + gen_length].tolist(), probs.tolist()):
         out[tuple(answer)] = out.get(tuple(answer), 0.0) + prob
     return out
