@@ -53,6 +53,9 @@ SAMPLER_DEFAULTS: dict[str, dict[str, object]] = {
     "dream": {"steps": MAX_NEW, "alg": "maskgit_plus", "alg_temp": None, "top_p": None, "top_k": None},
     "fast_dllm": {"threshold": None, "factor": None},
     "eb": {"gamma": 0.01},
+    # SDAR's block_diffusion_generate (its generate.py command line's defaults)
+    "sdar": {"denoising_steps": 4, "remasking_strategy": "low_confidence_dynamic", "confidence_threshold": 0.85,
+             "top_k": 0, "top_p": 1.0},
     "sequential": {"order": "left_to_right"},
     "fef": {"window": FEF_WINDOW, "draft": FEF_DRAFT, "verifier": "copies", "draft_head": None,
             "draft_candidates": 1, "candidates_below": None, "call_tokens": None},

@@ -8,9 +8,9 @@ Tests: ``tests/test_samplers.py`` (llada, dream, fast_dllm, eb against the refer
 import functools
 
 from ..loop import Stepping, options_stepper, run
-from .config import DreamConfig, EbConfig, FastDllmConfig, LladaConfig, NativeConfig
+from .config import DreamConfig, EbConfig, FastDllmConfig, LladaConfig, NativeConfig, SdarConfig
 from .native import native
-from .steppers import DreamStepper, EbStepper, FastDllmStepper, LladaStepper
+from .steppers import DreamStepper, EbStepper, FastDllmStepper, LladaStepper, SdarStepper
 
 
 def _llada(temperature, generator, stats, blocks, block_length, *, steps, remasking, cfg_scale) -> LladaStepper:
@@ -30,10 +30,15 @@ def _per_block(steps: int, blocks: int) -> int:
     return steps // blocks
 
 
+def _sdar(temperature, generator, stats, blocks, block_length, **options) -> SdarStepper:
+    return SdarStepper(temperature, generator, stats, block_length, **options)
+
+
 llada = functools.partial(run, Stepping(_llada))
+sdar = functools.partial(run, Stepping(_sdar))
 dream = functools.partial(run, Stepping(_dream))
 fast_dllm = functools.partial(run, Stepping(options_stepper(FastDllmStepper)))
 eb = functools.partial(run, Stepping(options_stepper(EbStepper)))
 
-__all__ = ["DreamConfig", "EbConfig", "FastDllmConfig", "LladaConfig", "NativeConfig", "dream", "eb", "fast_dllm",
-           "llada", "native"]
+__all__ = ["DreamConfig", "EbConfig", "FastDllmConfig", "LladaConfig", "NativeConfig", "SdarConfig", "dream", "eb",
+           "fast_dllm", "llada", "native", "sdar"]

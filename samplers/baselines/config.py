@@ -19,12 +19,13 @@ from ..options import (
     optional_dict,
     optional_int,
 )
-from .steppers import DREAM_ALGORITHMS, REMASKING
+from .steppers import DREAM_ALGORITHMS, REMASKING, SDAR_STRATEGIES
 
 LLADA = SAMPLER_DEFAULTS["llada"]
 DREAM = SAMPLER_DEFAULTS["dream"]
 FAST_DLLM = SAMPLER_DEFAULTS["fast_dllm"]
 EB = SAMPLER_DEFAULTS["eb"]
+SDAR = SAMPLER_DEFAULTS["sdar"]
 NATIVE = SAMPLER_DEFAULTS["native"]
 
 
@@ -87,6 +88,17 @@ class EbConfig(BlockConfig):
     """``eb``: entropy-bounded parallel unmasking."""
 
     gamma: float = option(EB["gamma"], number(0.0), "float")
+
+
+@dataclass(frozen=True)
+class SdarConfig(BlockConfig):
+    """``sdar``: SDAR's official block decoder, its option names and command-line defaults."""
+
+    denoising_steps: int = option(SDAR["denoising_steps"], int_at_least(1), "int")
+    remasking_strategy: str = option(SDAR["remasking_strategy"], choice(SDAR_STRATEGIES), "str")
+    confidence_threshold: float = option(SDAR["confidence_threshold"], number(0.0, 1.0), "float")
+    top_k: int = option(SDAR["top_k"], int_at_least(0), "int")  # 0: no top-k filter
+    top_p: float = option(SDAR["top_p"], number(0.0, 1.0, low_open=True), "float")  # 1.0: no nucleus filter
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,10 @@ DREAM_ALGORITHMS = ("origin", "maskgit_plus", "topk_margin", "entropy")
 
 
 REMASKING = ("low_confidence", "random")
+# SDAR's remasking strategies; its "entropy_bounded" is left out: in the official function it fails (the
+# selection it writes into is never created in that branch) and scores entropy from the sampled token's
+# probability alone; ``eb`` is the entropy-bounded sampler
+SDAR_STRATEGIES = ("low_confidence_dynamic", "low_confidence_static", "sequential")
 
 
 DREAM_EPS = 1e-3  # Dream's final timestep: its schedule runs t = linspace(1, eps, steps + 1)
@@ -180,16 +184,60 @@ class EbStepper(_Stepper):
         return self._reveal(view, where, proposal.tokens, _top_k(-entropy, k), "eb")
 
 
+@dataclass
+class SdarStepper(_Stepper):
+    """SDAR's official decoder (``block_diffusion_generate``, JetAstra/SDAR ``generate.py``): per block up to
+    ``denoising_steps`` steps, each sampling every masked position from softmax(logits / T) after top-k then
+    top-p filtering, and revealing by ``remasking_strategy``: the ``n`` most confident (``low_confidence_static``),
+    every one above ``confidence_threshold`` when there are at least ``n`` such, else the ``n`` most confident
+    (``low_confidence_dynamic``), or the ``n`` leftmost (``sequential``); ``n`` follows LLaDA's even schedule of
+    ``block_length`` over the steps. Where the official function differs, on purpose: T = 0 is greedy (it
+    divides by T), the mask token is never proposed (it may draw it, leaving the position masked), a step never
+    reveals more than the masked positions left (its top-k would overwrite revealed or prompt tokens), and rows
+    leave a batch when their block is done (its batch runs in lockstep)."""
+
+    block_length: int = 4
+    denoising_steps: int = 4
+    remasking_strategy: str = "low_confidence_dynamic"
+    confidence_threshold: float = 0.85
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def step(self, view: View, logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        filtered = _filter_logits(logits, self.temperature, self.top_p if self.top_p < 1.0 else None,
+                                  self.top_k or None, top_k_first=True)
+        where, proposal = self._propose(view, filtered, 1.0 if self.temperature else 0.0)
+        candidates = view.candidates(view.x)
+        schedule = _transfer_schedule(self.block_length, self.denoising_steps)
+        n = torch.full_like(view.rows, schedule[min(self.step_index, len(schedule) - 1)])
+        if self.remasking_strategy == "sequential":
+            score = -torch.arange(view.x.shape[1], device=view.x.device, dtype=torch.float64).expand(view.x.shape)
+            score = torch.where(candidates, score, -math.inf)
+        else:
+            score = _scatter(proposal.token_prob.double(), where, view.x.shape)  # -inf off candidates
+            if self.remasking_strategy == "low_confidence_dynamic":
+                high = (score > self.confidence_threshold).sum(dim=1)
+                n = torch.where(high >= n, high, n)
+        chosen = _top_k(score, torch.minimum(n, candidates.sum(dim=1)))
+        return self._reveal(view, where, proposal.tokens, chosen, "sdar")
+
+
 def _transfer_schedule(block_length: int, steps: int) -> list[int]:
     """Tokens revealed at each step of a block: even split, remainder on the first steps (as LLaDA)."""
     base, extra = divmod(block_length, steps)
     return [base + (1 if i < extra else 0) for i in range(steps)]
 
 
-def _filter_logits(logits: torch.Tensor, temperature: float, top_p: float | None, top_k: int | None):
+def _filter_logits(logits: torch.Tensor, temperature: float, top_p: float | None, top_k: int | None,
+                   top_k_first: bool = False):
     """Dream's logit processing (its ``sample_tokens``): temperature, then nucleus (top_p), then top_k
-    truncation of what is left.  # [..., V] -> [..., V], dropped tokens at -inf"""
+    truncation of what is left; ``top_k_first``: top_k before top_p (SDAR's order).
+    # [..., V] -> [..., V], dropped tokens at -inf"""
     out = logits.float() / temperature if temperature > 0 else logits.float()
+    if top_k_first and top_k is not None:
+        kth = out.topk(min(top_k, out.shape[-1]), dim=-1).values[..., -1:]
+        out = out.masked_fill(out < kth, float("-inf"))
+        top_k = None
     if top_p is not None and top_p < 1.0:
         # Dream's tie rule (not transformers' TopPLogitsWarper, which keeps by cumulative <= 1 - top_p from
         # the bottom): a token is dropped when the tokens ranked above it already hold more than top_p.

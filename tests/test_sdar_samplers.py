@@ -1,0 +1,149 @@
+"""SDAR's samplers. ``sampler="sdar"``, SDAR's official ``block_diffusion_generate``
+(shared/remote_code/sdar/generate.py): token for token at T=0 on a tiny real checkpoint (the official function on
+the real model, ours on the native load), batch 1 and a ragged batch (each row against its own official run: the
+official function takes one prompt length). The exact samplers on the native model: the enumerated chain's law.
+
+At T=0 the official sampler divides by the temperature; the greedy limit used for it here is its own function
+with the draw replaced by the argmax (and the mask token, which ours never proposes, forbidden). Everything else,
+the block loop, the cache, the schedule and the remasking rules, runs as published.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from fixtures.hf.remote_checkpoints import require_remote_code
+from fixtures.hf.sdar_checkpoints import _PACKAGE, _modules, _patched, make_sdar_folder, reference_model
+
+import dllm
+
+require_remote_code("sdar")
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return make_sdar_folder(tmp_path_factory.mktemp("sdar"), seed=3)
+
+
+@pytest.fixture(scope="module")
+def official(folder):
+    """(the real model, generate.py's block_diffusion_generate) with the greedy limit at temperature 0."""
+    _modules()
+    with _patched():
+        module = importlib.import_module(f"{_PACKAGE}.generate")
+    model = reference_model(folder)
+    return model, module
+
+
+def _official(official, ids, mask_id, gen, monkeypatch, **options):
+    model, module = official
+    real_sampler = module.sample_with_temperature_topk_topp
+
+    def greedy(logits, temperature=1.0, top_k=0, top_p=1.0):
+        if temperature:
+            return real_sampler(logits, temperature, top_k, top_p)
+        logits = logits.clone()
+        logits[..., mask_id] = -torch.inf
+        if top_k > 0:
+            logits = module.top_k_logits(logits.reshape(-1, logits.shape[-1]), top_k).reshape(logits.shape)
+        if top_p < 1.0:
+            logits = module.top_p_logits(logits.reshape(-1, logits.shape[-1]), top_p).reshape(logits.shape)
+        probs = torch.softmax(logits, dim=-1)
+        token = probs.argmax(dim=-1)
+        return token, probs.gather(-1, token[..., None]).squeeze(-1)
+
+    monkeypatch.setattr(module, "sample_with_temperature_topk_topp", greedy)
+    with _patched(), torch.no_grad():
+        return module.block_diffusion_generate(model, {"input_ids": ids}, mask_id, gen_length=gen, block_length=4,
+                                               temperature=0.0, **options)
+
+
+CASES = [
+    {"denoising_steps": 4, "remasking_strategy": "low_confidence_dynamic", "confidence_threshold": 0.85},
+    {"denoising_steps": 4, "remasking_strategy": "low_confidence_dynamic", "confidence_threshold": 0.05},
+    {"denoising_steps": 4, "remasking_strategy": "low_confidence_static"},
+    {"denoising_steps": 2, "remasking_strategy": "sequential"},
+    {"denoising_steps": 4, "remasking_strategy": "low_confidence_dynamic", "confidence_threshold": 0.3, "top_k": 5,
+     "top_p": 0.9},
+]
+
+
+@pytest.mark.parametrize("options", CASES)
+@pytest.mark.parametrize("prompt_length", [8, 6, 5])
+def test_greedy_equals_the_official_function(folder, official, options, prompt_length, monkeypatch):
+    """Prompts ending at a block's end and inside one; 12 new tokens, so the last block is filled out by the
+    official function (its output runs to the block's end) and by ours (decoded, then cut)."""
+    native = dllm.load(folder)
+    mask_id = native.mask_token_id
+    ids = torch.randint(0, 290, (1, prompt_length), generator=torch.Generator().manual_seed(prompt_length))
+    expected = _official(official, ids, mask_id, 12, monkeypatch, **options)
+    with torch.no_grad():
+        ours = dllm.generate(native, ids, sampler="sdar", max_new_tokens=12, temperature=0.0, eos_token_id=None,
+                             **options)
+    assert ours.options["block_length"] == 4
+    assert ours.sequences[0].tolist() == expected[0, : prompt_length + 12].tolist()
+
+
+def test_a_ragged_batch_equals_each_rows_official_run(folder, official, monkeypatch):
+    native = dllm.load(folder)
+    mask_id = native.mask_token_id
+    lengths = [7, 4, 9]
+    prompts = [torch.randint(0, 290, (n,), generator=torch.Generator().manual_seed(n)) for n in lengths]
+    width = max(lengths)
+    ids = torch.stack([torch.cat([torch.zeros(width - len(p), dtype=torch.long), p]) for p in prompts])
+    mask = torch.stack([torch.cat([torch.zeros(width - len(p)), torch.ones(len(p))]).long() for p in prompts])
+    options = CASES[0]
+    with torch.no_grad():
+        ours = dllm.generate(native, ids, attention_mask=mask, sampler="sdar", max_new_tokens=10, temperature=0.0,
+                             eos_token_id=None, **options)
+    for r, prompt in enumerate(prompts):
+        expected = _official(official, prompt[None], mask_id, 10, monkeypatch, **options)
+        assert ours.sequences[r, width:].tolist() == expected[0, len(prompt) : len(prompt) + 10].tolist(), r
+
+
+def test_sdar_is_labelled_approximate_and_checks_its_options(folder):
+    native = dllm.load(folder)
+    ids = torch.tensor([[1, 2, 3]])
+    out = dllm.generate(native, ids, sampler="sdar", max_new_tokens=4)
+    assert not out.exact
+    with pytest.raises(ValueError, match="remasking_strategy must be one of"):
+        dllm.generate(native, ids, sampler="sdar", max_new_tokens=4, remasking_strategy="entropy_bounded")
+    with pytest.raises(ValueError, match="confidence_threshold must lie in"):
+        dllm.generate(native, ids, sampler="sdar", max_new_tokens=4, confidence_threshold=1.5)
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """A native SDAR of 5 tokens plus the mask (id 5): small enough to enumerate the chain's law."""
+    folder = make_sdar_folder(tmp_path_factory.mktemp("sdar_small"), seed=4, tokenizer=False, vocab_size=6,
+                              mask_token_id=5, eos_token_id=4, bos_token_id=4, pad_token_id=4)
+    model = dllm.load(folder)
+    with torch.no_grad():
+        model.output.weight.mul_(4.0)  # laws far from uniform, so that a wrong law shows
+    return model
+
+
+@pytest.mark.parametrize("sampler, options", [("sequential", {}), ("fef", {"window": 2}),
+                                              ("fef", {"window": 3, "draft": "stale"}), ("fef", {"cache": "none"}),
+                                              ("fef", {"draft_candidates": 2, "window": 2})])
+def test_exact_samplers_sample_the_native_models_chain(small, sampler, options):
+    """On the native SDAR itself (q/k norm, head_dim != hidden / heads, blocks of 4 from position 0): a 6-token
+    prompt puts two prompt tokens in the first block, 3 new tokens end one short of it (decoded, then cut)."""
+    from dllm.samplers import sequential_distribution
+
+    from stat_tools import ALPHA, chi_square_pvalue
+
+    prompt = torch.tensor([0, 3, 1, 4, 2, 0])
+    expected = sequential_distribution(small, prompt, 3, block_length=4, temperature=1.0)
+    with torch.no_grad():
+        out = dllm.generate(small, prompt.expand(5000, -1), sampler=sampler, max_new_tokens=3, temperature=1.0,
+                            eos_token_id=None,
+                            generator=torch.Generator().manual_seed(0), **options)
+    assert out.exact
+    assert chi_square_pvalue(out.sequences[:, 6:], expected) > ALPHA, (sampler, options)
+    sdar = dllm.generate(small, prompt.expand(5000, -1), sampler="sdar", max_new_tokens=3, temperature=1.0,
+                         eos_token_id=None,
+                         denoising_steps=1, generator=torch.Generator().manual_seed(0))  # the block at once
+    assert chi_square_pvalue(sdar.sequences[:, 6:], expected) < ALPHA
