@@ -172,6 +172,7 @@ the line after the answer (each field defined in dllm.stats.DecodeStats):
 
 
 def _add_generate(p: argparse.ArgumentParser) -> None:
+    from dllm.models.loading import KINDS
     from dllm.samplers import SAMPLERS
 
     p.add_argument("prompt", nargs="?", help=f"the text to continue (default: the demo question {_DEFAULT_PROMPT!r}, "
@@ -179,7 +180,7 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="a folder, a hub id, or a shipped model's name (diffusion, ar, two_stream, ...) "
                    "for dllm.load (default: the shipped model for the sampler)")
     p.add_argument("--kind", default="auto",
-                   help="dllm.load kind: auto, llada, dream, diffusion_gemma, mlm, causal, dllm, remote")
+                   help="dllm.load kind (from dllm.models.loading.KINDS): " + ", ".join(KINDS))
     by_kind = {kind: [name for name, spec in SAMPLERS.items() if spec.model_kind == kind]
                for kind in ("diffusion", "causal", "any")}
     others = ", ".join(name for name in by_kind["diffusion"] if name != "fef")
