@@ -53,6 +53,9 @@ SAMPLER_DEFAULTS: dict[str, dict[str, object]] = {
     "dream": {"steps": MAX_NEW, "alg": "maskgit_plus", "alg_temp": None, "top_p": None, "top_k": None},
     "fast_dllm": {"threshold": None, "factor": None},
     "eb": {"gamma": 0.01},
+    # LLaDA2's generate (the model class's method; 2.1's token editing when editing_threshold is given)
+    "llada2": {"steps": 32, "threshold": 0.95, "top_k": None, "top_p": None, "minimal_topk": 1,
+               "editing_threshold": None, "max_post_steps": 16, "num_to_transfer": 1},
     # SDAR's block_diffusion_generate (its generate.py command line's defaults)
     "sdar": {"denoising_steps": 4, "remasking_strategy": "low_confidence_dynamic", "confidence_threshold": 0.85,
              "top_k": 0, "top_p": 1.0},

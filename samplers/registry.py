@@ -113,6 +113,7 @@ SAMPLERS: dict[str, SamplerSpec] = {
         SamplerSpec("dream", baselines.dream, "diffusion", baselines.DreamConfig),
         SamplerSpec("fast_dllm", baselines.fast_dllm, "diffusion", baselines.FastDllmConfig),
         SamplerSpec("eb", baselines.eb, "diffusion", baselines.EbConfig),
+        SamplerSpec("llada2", baselines.llada2, "diffusion", baselines.Llada2Config),
         SamplerSpec("sdar", baselines.sdar, "diffusion", baselines.SdarConfig),
         SamplerSpec("sequential", sequential.sequential, "diffusion", sequential.SequentialConfig),
         SamplerSpec("native", baselines.native, "any", baselines.NativeConfig),

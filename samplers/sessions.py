@@ -159,12 +159,12 @@ class _Session:
     def begin_block(self, block: int) -> None:
         self.block = block
 
-    def _view(self, rows: torch.Tensor, start: int, stop: int, active: int, prompt_length: int = 0,
-              masked: list[int] | None = None) -> View:
+    def _view(self, rows: torch.Tensor, start: int, stop: int, active: int, masked: list[int] | None = None) -> View:
         """The view of canvas positions [start, stop) of ``rows``; the first ``active`` of them are the block."""
         first = self.canvas.span(self.block)[0] - start  # the block's first view position
         region = torch.arange(stop - start, device=rows.device) < active
         region[:first] = False
+        prompt_length = max(0, self.canvas.prompt_length - start)  # (a block opened by the prompt's tail holds some)
         return View(self.canvas.x[rows, start:stop], region, rows, start, prompt_length, self.canvas.mask_token_id,
                     self, (first, active), masked)
 
@@ -178,7 +178,7 @@ class FullSession(_Session):
 
     def view(self, rows: torch.Tensor, masked: list[int] | None = None) -> View:
         start, end = self.canvas.span(self.block)
-        return self._view(rows, 0, self.canvas.x.shape[1], end, self.canvas.prompt_length, masked)
+        return self._view(rows, 0, self.canvas.x.shape[1], end, masked)
 
     def logits(self, tokens: torch.Tensor, which: torch.Tensor, hidden: bool = False, *, rows: torch.Tensor,
                at: torch.Tensor | None = None):

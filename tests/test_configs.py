@@ -36,7 +36,8 @@ def _table_of(config) -> dict:
     """The defaults table's entries a config reads: its own and those of the configs it extends."""
     names = {"ArConfig": "ar", "ArSpecConfig": "ar_spec", "BlockConfig": "masked", "LladaConfig": "llada",
              "DreamConfig": "dream", "FastDllmConfig": "fast_dllm", "EbConfig": "eb", "SequentialConfig": "sequential",
-             "FefConfig": "fef", "NativeConfig": "native", "SdarConfig": "sdar"}
+             "FefConfig": "fef", "NativeConfig": "native", "SdarConfig": "sdar",
+             "Llada2Config": "llada2"}
     table = {}
     for cls in reversed(config.__mro__):
         table.update(defaults.SAMPLER_DEFAULTS.get(names.get(cls.__name__), {}))

@@ -8,9 +8,9 @@ Tests: ``tests/test_samplers.py`` (llada, dream, fast_dllm, eb against the refer
 import functools
 
 from ..loop import Stepping, options_stepper, run
-from .config import DreamConfig, EbConfig, FastDllmConfig, LladaConfig, NativeConfig, SdarConfig
+from .config import DreamConfig, EbConfig, FastDllmConfig, Llada2Config, LladaConfig, NativeConfig, SdarConfig
 from .native import native
-from .steppers import DreamStepper, EbStepper, FastDllmStepper, LladaStepper, SdarStepper
+from .steppers import DreamStepper, EbStepper, FastDllmStepper, Llada2Stepper, LladaStepper, SdarStepper
 
 
 def _llada(temperature, generator, stats, blocks, block_length, *, steps, remasking, cfg_scale) -> LladaStepper:
@@ -34,11 +34,17 @@ def _sdar(temperature, generator, stats, blocks, block_length, **options) -> Sda
     return SdarStepper(temperature, generator, stats, block_length, **options)
 
 
+def _llada2(temperature, generator, stats, blocks, block_length, **options) -> Llada2Stepper:
+    options.pop("minimal_topk")  # (applied to steps by Llada2Config.validate)
+    return Llada2Stepper(temperature, generator, stats, block_length, **options)
+
+
 llada = functools.partial(run, Stepping(_llada))
+llada2 = functools.partial(run, Stepping(_llada2))
 sdar = functools.partial(run, Stepping(_sdar))
 dream = functools.partial(run, Stepping(_dream))
 fast_dllm = functools.partial(run, Stepping(options_stepper(FastDllmStepper)))
 eb = functools.partial(run, Stepping(options_stepper(EbStepper)))
 
-__all__ = ["DreamConfig", "EbConfig", "FastDllmConfig", "LladaConfig", "NativeConfig", "SdarConfig", "dream", "eb",
-           "fast_dllm", "llada", "native", "sdar"]
+__all__ = ["DreamConfig", "EbConfig", "FastDllmConfig", "Llada2Config", "LladaConfig", "NativeConfig", "SdarConfig",
+           "dream", "eb", "fast_dllm", "llada", "llada2", "native", "sdar"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 from dllm.defaults import SAMPLER_DEFAULTS
@@ -26,6 +26,7 @@ DREAM = SAMPLER_DEFAULTS["dream"]
 FAST_DLLM = SAMPLER_DEFAULTS["fast_dllm"]
 EB = SAMPLER_DEFAULTS["eb"]
 SDAR = SAMPLER_DEFAULTS["sdar"]
+LLADA2 = SAMPLER_DEFAULTS["llada2"]
 NATIVE = SAMPLER_DEFAULTS["native"]
 
 
@@ -99,6 +100,28 @@ class SdarConfig(BlockConfig):
     confidence_threshold: float = option(SDAR["confidence_threshold"], number(0.0, 1.0), "float")
     top_k: int = option(SDAR["top_k"], int_at_least(0), "int")  # 0: no top-k filter
     top_p: float = option(SDAR["top_p"], number(0.0, 1.0, low_open=True), "float")  # 1.0: no nucleus filter
+
+
+@dataclass(frozen=True)
+class Llada2Config(BlockConfig):
+    """``llada2``: LLaDA2's official block decoder (2.0's threshold decoding; 2.1's token editing when
+    ``editing_threshold`` is given), its option names and defaults."""
+
+    steps: int = option(LLADA2["steps"], int_at_least(1), "int")  # per block; at most max_new_tokens // minimal_topk
+    threshold: float = option(LLADA2["threshold"], number(0.0, 1.0), "float")
+    top_k: int | None = option(LLADA2["top_k"], optional_int(1), "int")
+    top_p: float | None = option(LLADA2["top_p"], number(0.0, 1.0, low_open=True, optional=True), "float")
+    minimal_topk: int = option(LLADA2["minimal_topk"], int_at_least(1), "int")
+    editing_threshold: float | None = option(LLADA2["editing_threshold"], number(0.0, 1.0, optional=True), "float")
+    max_post_steps: int = option(LLADA2["max_post_steps"], int_at_least(0), "int")  # 2.1: edit calls after a block
+    # 2.1: the tokens a step reveals when fewer pass the threshold
+    num_to_transfer: int = option(LLADA2["num_to_transfer"], int_at_least(1), "int")
+
+    def validate(self, model, max_new_tokens: int) -> Llada2Config:
+        """As the official function does, the steps per block are at most max_new_tokens // minimal_topk (shown in
+        ``GenerateOutput.options``)."""
+        config = super().validate(model, max_new_tokens)
+        return replace(config, steps=max(1, min(config.steps, max_new_tokens // config.minimal_topk)))
 
 
 @dataclass(frozen=True)

@@ -222,6 +222,86 @@ class SdarStepper(_Stepper):
         return self._reveal(view, where, proposal.tokens, chosen, "sdar")
 
 
+@dataclass
+class Llada2Stepper(_Stepper):
+    """LLaDA2's official decoder (``LLaDA2MoeModelLM.generate``): per block, each step draws every position of the
+    block (greedy at T = 0, else softmax(logits / T) after top-k then top-p) and reveals every masked position
+    whose probability passes ``threshold``, or, when fewer than ``n`` do, the ``n`` most confident (``n`` from
+    LLaDA's even schedule of the block over ``steps``). With ``editing_threshold`` it is LLaDA2.1's: ``n`` is
+    ``num_to_transfer`` and a step also rewrites any revealed answer token of the block whose new draw differs
+    and passes ``editing_threshold``; once the block has no mask, up to ``max_post_steps`` more calls edit it
+    while edits happen. Differences from the official function, on purpose: the mask token is never proposed,
+    and rows leave a batch when their block is done (it decodes one prompt)."""
+
+    block_length: int = 32
+    steps: int = 32
+    threshold: float = 0.95
+    top_k: int | None = None
+    top_p: float | None = None
+    editing_threshold: float | None = None
+    max_post_steps: int = 16
+    num_to_transfer: int = 1
+
+    def step(self, view: View, logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        x, start = view.x, view.block[0]
+        tokens, prob = self._draw(view, logits)
+        masked = view.candidates(x)[:, start : view.block[1]]  # [R, block]
+        if self.editing_threshold is None:
+            schedule = _transfer_schedule(self.block_length, self.steps)
+            n = schedule[min(self.step_index, len(schedule) - 1)]
+        else:
+            n = self.num_to_transfer
+        confidence = torch.where(masked, prob.double(), -math.inf)
+        high = (confidence > self.threshold).sum(dim=1)
+        k = torch.where(high >= n, high, torch.clamp(masked.sum(dim=1), max=n))
+        reveal = _top_k(confidence, k)
+        block = x[:, start : view.block[1]]
+        if self.editing_threshold is not None:
+            answer = torch.arange(start, view.block[1], device=x.device) >= view.prompt_length
+            reveal |= ~masked & answer & (prob > self.editing_threshold) & (tokens != block)
+        block = torch.where(reveal, tokens, block)
+        if self.editing_threshold is not None:
+            block = self._post_steps(view, block)
+        x = x.clone()
+        x[:, start : view.block[1]] = block
+        self.stats.count_round(reveal.sum(dim=1))
+        self.step_index += 1
+        revealed = torch.zeros_like(x, dtype=torch.bool)
+        revealed[:, start : view.block[1]] = reveal
+        return x, {"sampler": "llada2", "revealed": revealed}
+
+    def _draw(self, view: View, logits: torch.Tensor, which: torch.Tensor | None = None):
+        """A token and its probability at every position of the block [N, block] for view rows ``which`` [N] (None:
+        all): greedy from the raw logits at T = 0 (its probability theirs), else drawn after temperature, top-k and
+        top-p."""
+        count, width = logits.shape[0], logits.shape[1]
+        which = torch.arange(count, device=logits.device) if which is None else which
+        chosen = forbid_token(logits.float(), view.mask_token_id)
+        if self.temperature:
+            chosen = _filter_logits(chosen, self.temperature, self.top_p, self.top_k, top_k_first=True)
+        drawn = sample_confidence(chosen.reshape(count * width, -1), 1.0 if self.temperature else 0.0,
+                                  self._rng(view, which.repeat_interleave(width)))
+        return drawn.tokens.reshape(count, width), drawn.token_prob.reshape(count, width)
+
+    def _post_steps(self, view: View, block: torch.Tensor) -> torch.Tensor:
+        """LLaDA2.1's edits once a row's block has no mask: one more call at a time, while it changes a token, at
+        most ``max_post_steps`` (rows that still hold masks go on in the loop's next step)."""
+        start, stop = view.block
+        answer = torch.arange(start, stop, device=block.device) >= view.prompt_length
+        editing = ~(block == view.mask_token_id).any(dim=1)
+        for _ in range(self.max_post_steps):
+            rows = editing.nonzero().squeeze(1)
+            if not rows.numel():
+                break
+            x = view.x[rows].clone()
+            x[:, start:stop] = block[rows]
+            tokens, prob = self._draw(view, view.call(x, rows, at=view.block_band().at(rows)), rows)
+            edit = answer & (prob > self.editing_threshold) & (tokens != block[rows])
+            block[rows] = torch.where(edit, tokens, block[rows])
+            editing[rows] = edit.any(dim=1)
+        return block
+
+
 def _transfer_schedule(block_length: int, steps: int) -> list[int]:
     """Tokens revealed at each step of a block: even split, remainder on the first steps (as LLaDA)."""
     base, extra = divmod(block_length, steps)
