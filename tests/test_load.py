@@ -130,7 +130,7 @@ def test_wrong_kind_is_refused(folders):
 
 
 def test_unknown_kind_is_refused(folders):
-    kinds = r"\['auto', 'llada', 'dream', 'sdar', 'diffusion_gemma', 'mlm', 'causal', 'dllm', 'remote'\]"
+    kinds = r"\['auto', 'llada', 'dream', 'sdar', 'llada2', 'diffusion_gemma', 'mlm', 'causal', 'dllm', 'remote'\]"
     with pytest.raises(ValueError, match=f"kind must be one of {kinds}"):
         load(folders("llama"), kind="gpt")
 

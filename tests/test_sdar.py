@@ -245,7 +245,7 @@ def test_bad_load_options_are_refused(tmp_path, folder):
         dllm.load(folder, block_size=0)
     with pytest.raises(TypeError, match="block_size must be an int, got str"):
         dllm.load(folder, block_size="4")
-    with pytest.raises(TypeError, match=r"block_size= is for the block-causal families \['sdar'\]"):
+    with pytest.raises(TypeError, match=r"block_size= is for the block-causal families \['sdar', 'llada2'\]"):
         load_native(folder, "dream", block_size=4)
     with pytest.raises(ValueError, match="mask_token_id must be None or an int in"):
         dllm.load(folder, mask_token_id=320)

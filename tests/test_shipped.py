@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(not (WEIGHTS / "diffusion" / "model.safetensors"
 
 DIFFUSION_OPTIONS = {
     "llada": {"steps": 8}, "dream": {"steps": 8}, "fast_dllm": {}, "eb": {}, "sequential": {},
-    "fef": {"window": 4, "draft": "stale"},
+    "fef": {"window": 4, "draft": "stale"}, "sdar": {"denoising_steps": 4}, "llada2": {"steps": 8},
 }
 
 

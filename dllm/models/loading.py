@@ -11,8 +11,9 @@ import torch
 
 from dllm.defaults import auto_dtype
 
-KINDS = ("auto", "llada", "dream", "sdar", "diffusion_gemma", "mlm", "causal", "dllm", "remote")
-NATIVE_KINDS = ("llada", "dream", "sdar")  # read by dllm.models.native: no file of the checkpoint runs
+KINDS = ("auto", "llada", "dream", "sdar", "llada2", "diffusion_gemma", "mlm", "causal", "dllm", "remote")
+NATIVE_KINDS = ("llada", "dream", "sdar", "llada2")  # read by dllm.models.native: no file of the checkpoint runs
+NATIVE_ONLY = ("sdar", "llada2")  # native kinds without a kind="remote" (dllm never runs their hub code)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt", "vocab.json")
 _HUB_KEYS = ("revision", "token", "cache_dir", "local_files_only")  # what reading a hub config.json may need
 
@@ -23,7 +24,8 @@ def load(name_or_path: str | os.PathLike, kind: str = "auto", device: str | torc
 
     kind: "llada", "dream" (native ``dllm.models.native.NativeLM``: the checkpoint's Python files never run;
     ``trust_remote_code=True`` takes kind "remote" instead), "sdar" (native too: SDAR / TraDo block diffusion,
-    ``model_type: sdar``; there is no remote kind for it), "diffusion_gemma" (transformers'
+    ``model_type: sdar``; there is no remote kind for it), "llada2" (native too: LLaDA2.0 / LLaDA2.1 block
+    diffusion with experts, ``model_type: llada2_moe``; no remote kind either), "diffusion_gemma" (transformers'
     DiffusionGemmaForBlockDiffusion, see ``DiffusionGemmaAdapter``), "mlm" (``AutoModelForMaskedLM``),
     "causal" (``AutoModelForCausalLM``), "dllm" (this project's TransformerLM folder), "remote" (a LLaDA or
     Dream checkpoint through its own hub code, guarded: see ``dllm.models.remote``; also what
@@ -31,9 +33,9 @@ def load(name_or_path: str | os.PathLike, kind: str = "auto", device: str | torc
     architectures, or our ``layout`` key).
     device, dtype: where and in what precision to load; None keeps CPU and the checkpoint's dtype; dtype "auto"
     is ``dllm.defaults.auto_dtype(device)`` (bf16 only where the device computes it natively).
-    kw: ``mask_token_id`` (override, diffusion kinds), ``block_size`` (sdar: override of the block size, else
-    config.json's, else 4), ``tokenizer`` (a tokenizer, or a path to load one from), ``device_map`` (native
-    llada/dream/sdar: accelerate placement), ``trust_remote_code``; the rest goes to
+    kw: ``mask_token_id`` (override, diffusion kinds), ``block_size`` (sdar, llada2: override of the block size,
+    else config.json's, else 4 for sdar and 32 for llada2), ``tokenizer`` (a tokenizer, or a path to load one from),
+    ``device_map`` (native llada/dream/sdar/llada2: accelerate placement), ``trust_remote_code``; the rest goes to
     ``from_pretrained`` (revision, ...).
     A local folder never reaches the network (local_files_only=True), nor does the bare name of a model this
     package ships (``dllm.load("two_stream")``: ``dllm/weights/two_stream``); a hub id goes to transformers as is,
@@ -50,9 +52,10 @@ def load(name_or_path: str | os.PathLike, kind: str = "auto", device: str | torc
     if kind in NATIVE_KINDS:
         from dllm.models.native import load_native  # no file of the checkpoint is imported or run
 
-        if kw.pop("trust_remote_code", None) is True and kind == "sdar":  # (llada/dream took kind "remote" above)
-            raise ValueError("trust_remote_code=True: SDAR checkpoints load natively only (dllm never runs their hub "
-                             "code, and has no kind='remote' for them); drop trust_remote_code")
+        if kw.pop("trust_remote_code", None) is True and kind in NATIVE_ONLY:  # (llada/dream took "remote" above)
+            name = {"sdar": "SDAR", "llada2": "LLaDA2"}[kind]
+            raise ValueError(f"trust_remote_code=True: {name} checkpoints load natively only (dllm never runs their "
+                             f"hub code, and has no kind='remote' for them); drop trust_remote_code")
         return load_native(local or str(name_or_path), kind, device, dtype, **kw)
     if kind == "dllm":
         return _load_dllm(local, name_or_path, device, dtype, kw)
@@ -65,6 +68,8 @@ def detect_kind(config: dict) -> str | None:
         return "dllm"
     model_type = str(config.get("model_type") or "").lower()
     names = [model_type, *(str(a).lower() for a in config.get("architectures") or [])]
+    if any(name.startswith("llada2") for name in names):  # before "llada": llada2_moe, llada21_moe, LLaDA2Moe...
+        return "llada2"
     if any(name.startswith("llada") for name in names):
         return "llada"
     if any(name.startswith("dream") for name in names):

@@ -1,4 +1,4 @@
-"""Native LLaDA, Dream and SDAR: the hub's config.json, safetensors and tokenizer.json read into TransformerLM.
+"""Native LLaDA, Dream, SDAR and LLaDA2: the hub's config.json, safetensors and tokenizer.json read into TransformerLM.
 
 No file of the checkpoint is imported or executed (no ``trust_remote_code``), so transformers upgrades cannot
 break these families and the project's caches and structured verifier apply. Semantics follow the real
@@ -21,8 +21,21 @@ modelling code (``shared/remote_code``, checked by parity tests):
     block sizes are separate checkpoints); the mask id from ``mask_token_id=``, config.json, the tokenizer's
     mask token (``<|MASK|>``; ``<MASK>`` in the training repository's added_tokens.json), else 151669
     (SDAR-4B-Chat's).
-All compute RoPE and RMSNorm in float32 whatever the weights' dtype (the real Dream and SDAR code rotates in the
-model dtype; in float32 the two are the same).
+  - LLaDA2.0 / LLaDA2.1 (``modeling_llada2_moe.py``, inclusionAI's; ``model_type`` llada2_moe, class
+    ``LLaDA2MoeModelLM``; 2.1 is the same network with another ``generate``): block-causal like SDAR, blocks anchored
+    at absolute position 0, unshifted logits; one fused ``query_key_value`` ([q heads | k heads | v heads] rows, our
+    ``wqkv`` as is), per-head q/k RMSNorm before rotary, rotate-half RoPE on the first ``partial_rotary_factor`` of
+    each head's channels (``rotary_dim``; config.json's own ``rotary_dim`` key is not read by the real code, nor here),
+    an untied output layer; after ``first_k_dense_replace`` dense SwiGLU layers, a mixture of experts
+    (``MoEConfig``): sigmoid router scores in float32 plus ``expert_bias`` choose ``num_experts_per_tok`` experts
+    among the ``topk_group`` best of ``n_group`` groups, weighted by their unbiased scores renormalised (the real code
+    always renormalises when more than one expert is chosen: ``norm_topk_prob`` is not read by it, nor here) times
+    ``routed_scaling_factor``, plus ``num_shared_experts`` shared experts. Block size: ``block_size=``, else
+    config.json's ``block_size``, else 32 (the official ``generate``'s ``block_length`` default; the hub config does
+    not say); mask id: ``mask_token_id=``, config.json, the tokenizer's ``<|mask|>``, else 156895; EOS: the
+    tokenizer's, config.json's, generation_config.json's, else 156892 (the official ``generate``'s defaults).
+All compute RoPE and RMSNorm in float32 whatever the weights' dtype (the real Dream, SDAR and LLaDA2 code rotates in
+the model dtype; in float32 the two are the same).
 """
 
 from __future__ import annotations
@@ -42,21 +55,24 @@ import torch
 from dllm.models.checkpoint import Target, load_checkpoint
 from dllm.models.hf import DreamAdapter, LLaDAAdapter, find_mask_token_id, special_ids
 from dllm.models.remote import FAMILIES as REMOTE_FAMILIES
-from dllm.models.transformer import TransformerConfig, TransformerLM
+from dllm.models.transformer import MoEConfig, TransformerConfig, TransformerLM
 from dllm.numerics import check_int
 from dllm.protocols import Capabilities
 
-FAMILIES = ("llada", "dream", "sdar")
+FAMILIES = ("llada", "dream", "sdar", "llada2")
 # What a hub download fetches: configs, weights and tokenizer files, never the checkpoint's Python code.
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]
 _OPTIONS = ("device_map", "tokenizer", "mask_token_id", "block_size", "revision", "token", "cache_dir",
             "local_files_only")
 SDAR_BLOCK_SIZE = 4  # the public SDAR / TraDo chat models' block; their config.json does not say it
 SDAR_MASK_TOKEN_ID = 151669  # SDAR-4B-Chat's mask token, hard-coded by its servers when nothing names it
+LLADA2_BLOCK_SIZE = 32  # LLaDA2's generate() block_length default; the hub config.json does not say
+LLADA2_MASK_TOKEN_ID = 156895  # <|mask|>: LLaDA2's generate() mask_id default
+LLADA2_EOS_TOKEN_ID = 156892  # <|endoftext|>: LLaDA2's generate() eos_id default
 
 
 class NativeLM(TransformerLM):
-    """A LLaDA, Dream or SDAR checkpoint as a TransformerLM, carrying what samplers read from an adapter.
+    """A LLaDA, Dream, SDAR or LLaDA2 checkpoint as a TransformerLM, carrying what samplers read from an adapter.
 
     Inference only: calls run under ``torch.inference_mode()`` and parameters need no gradient. Logits are
     float32 [B, L, V], V the output layer's rows; the mask token's logit is -inf.
@@ -96,8 +112,9 @@ class NativeLM(TransformerLM):
     def __repr__(self) -> str:
         c = self.config
         blocks = f", block_size={c.block_size}" if c.block_size is not None else ""
+        experts = f", experts={c.moe.n_experts} (top {c.moe.experts_per_token})" if c.moe is not None else ""
         return (f"NativeLM({self.family}, dim={c.dim}, n_layers={c.n_layers}, n_heads={c.n_heads}, "
-                f"n_kv_heads={c.n_kv_heads}, head_dim={c.head_dim}, vocab_size={self.vocab_size}{blocks})")
+                f"n_kv_heads={c.n_kv_heads}, head_dim={c.head_dim}, vocab_size={self.vocab_size}{blocks}{experts})")
 
 
 # ------------------------------------------------------------------ hub config.json -> TransformerConfig
@@ -132,6 +149,10 @@ _DREAM_SUPPORTED = {
 }
 _SDAR_SUPPORTED = {  # attention_bias would put biases on q/k/v and the output projection, which has none here
     "hidden_act": ("silu", "silu"), "attention_bias": (False, False), "use_sliding_window": (False, False),
+}
+_LLADA2_SUPPORTED = {  # (configuration_llada2_moe.py's defaults: use_bias is True there, False in every release)
+    "hidden_act": ("silu", "silu"), "use_qkv_bias": (False, False), "use_bias": (True, False),
+    "use_qk_norm": (True, True, False), "use_sliding_window": (False, False), "score_function": ("sigmoid", "sigmoid"),
 }
 
 
@@ -228,6 +249,64 @@ def sdar_config(hub: dict, mask_token_id: int, eos_token_id, pad_token_id,
         tie_embeddings=bool(hub.get("tie_word_embeddings", False)), qkv_bias=False, shift_logits=False)
 
 
+def llada2_config(hub: dict, mask_token_id: int, eos_token_id, pad_token_id,
+                  block_size: int | None = None) -> TransformerConfig:
+    """TransformerConfig of a LLaDA2.0 / 2.1 config.json (configuration_llada2_moe.py's keys and defaults):
+    block-causal, blocks of ``block_size`` (None: config.json's ``block_size``, else LLADA2_BLOCK_SIZE), per-head q/k
+    norms, partial rotary, experts after the dense layers; a ``num_key_value_heads`` of 0 or null is as many as the
+    heads (LLaDA2.1's rule), a ``head_dim`` of null hidden / heads, ``num_experts`` null a dense model."""
+    _require(hub, "llada2", _LLADA2_SUPPORTED)
+    _rope_scaling(hub, "llada2")
+    heads, dim = hub.get("num_attention_heads", 16), hub.get("hidden_size", 1024)
+    head_dim = hub.get("head_dim") or dim // heads
+    factor = hub.get("partial_rotary_factor", 0.5)
+    numeric = isinstance(factor, int | float) and not isinstance(factor, bool)
+    rotary_dim = int(head_dim * factor) if numeric else None  # int(): the real rotary init's rounding
+    if not numeric or not 0 < factor <= 1 or rotary_dim < 2 or rotary_dim % 2:
+        raise ValueError(f"native llada2: config.json partial_rotary_factor={factor!r} must give an even number of "
+                         f"rotated channels in (0, head_dim={head_dim}], got {rotary_dim}; {_elsewhere('llada2')}")
+    n_layers = hub.get("num_hidden_layers", 24)
+    return TransformerConfig(
+        vocab_size=hub.get("vocab_size", 30592), dim=dim, n_layers=n_layers, n_heads=heads,
+        n_kv_heads=hub.get("num_key_value_heads") or heads, head_dim=head_dim, rotary_dim=rotary_dim,
+        qk_norm=bool(hub.get("use_qk_norm", True)), mlp_hidden=_llada2_dense_hidden(hub), moe=_llada2_moe(hub),
+        max_seq_len=hub.get("max_position_embeddings", 16384), rope_theta=_rope_theta(hub, "llada2", 10000.0),
+        layout="block_causal", block_size=_block_size(hub, "llada2", block_size, LLADA2_BLOCK_SIZE),
+        mask_token_id=mask_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+        norm_eps=float(hub.get("rms_norm_eps", 1e-5)), tie_embeddings=bool(hub.get("tie_word_embeddings", False)),
+        qkv_bias=False, shift_logits=False)
+
+
+def _llada2_dense_hidden(hub: dict) -> int | None:
+    """The dense layers' SwiGLU width (``intermediate_size``; null in the config class's defaults, needed only when
+    some layer is dense)."""
+    hidden = hub.get("intermediate_size")
+    dense = hub.get("num_experts") is None or hub.get("first_k_dense_replace", 0) > 0
+    if hidden is None and dense:
+        raise ValueError("native llada2: config.json intermediate_size is null but the dense layers "
+                         "(first_k_dense_replace, or num_experts null) need it; fix the config")
+    return hidden
+
+
+def _llada2_moe(hub: dict) -> MoEConfig | None:
+    """The experts of a LLaDA2 config.json (None when ``num_experts`` is null: every layer dense)."""
+    if hub.get("num_experts", 16) is None:
+        return None
+    try:
+        return MoEConfig(n_experts=hub.get("num_experts", 16), experts_per_token=hub.get("num_experts_per_tok", 2),
+                         hidden=hub.get("moe_intermediate_size"), n_shared_experts=hub.get("num_shared_experts") or 0,
+                         n_groups=hub.get("n_group", 8), topk_groups=hub.get("topk_group", 4),
+                         routed_scaling=hub.get("routed_scaling_factor", 2.5), norm_topk=True,
+                         dense_layers=hub.get("first_k_dense_replace", 0))
+    except ValueError as error:  # name the hub's keys: moe.n_groups is n_group, moe.hidden moe_intermediate_size, ...
+        raise ValueError(f"native llada2: config.json's experts ({_LLADA2_MOE_KEYS}): {error}") from None
+
+
+_LLADA2_MOE_KEYS = ("num_experts -> n_experts, num_experts_per_tok -> experts_per_token, moe_intermediate_size -> "
+                    "hidden, num_shared_experts -> n_shared_experts, n_group -> n_groups, topk_group -> topk_groups, "
+                    "routed_scaling_factor -> routed_scaling, first_k_dense_replace -> dense_layers")
+
+
 # ------------------------------------------------------------------ hub weight names -> ours
 
 # Per-layer tables: hub name after the layer prefix -> (our name after "layers.{i}.", fused slot or None).
@@ -263,6 +342,26 @@ SDAR_LAYER = {**{name: row for name, row in DREAM_LAYER.items() if not name.ends
               "self_attn.q_norm.weight": ("attn.q_norm.weight", None),
               "self_attn.k_norm.weight": ("attn.k_norm.weight", None)}
 SDAR_TOP = DREAM_TOP
+# LLaDA2: fused q/k/v rows already in our order; "{e}" is an expert's index, its slot places it in the stacked experts
+LLADA2_LAYER = {
+    "input_layernorm.weight": ("attn_norm.weight", None),
+    "attention.query_key_value.weight": ("attn.wqkv.weight", None),
+    "attention.query_layernorm.weight": ("attn.q_norm.weight", None),
+    "attention.key_layernorm.weight": ("attn.k_norm.weight", None),
+    "attention.dense.weight": ("attn.wo.weight", None),
+    "post_attention_layernorm.weight": ("mlp_norm.weight", None),
+    "mlp.gate_proj.weight": ("mlp.w13.weight", "gate"), "mlp.up_proj.weight": ("mlp.w13.weight", "up"),
+    "mlp.down_proj.weight": ("mlp.w2.weight", None),
+    "mlp.gate.weight": ("mlp.router.weight", None), "mlp.gate.expert_bias": ("mlp.expert_bias", None),
+    "mlp.shared_experts.gate_proj.weight": ("mlp.shared.w13.weight", "gate"),
+    "mlp.shared_experts.up_proj.weight": ("mlp.shared.w13.weight", "shared_up"),
+    "mlp.shared_experts.down_proj.weight": ("mlp.shared.w2.weight", None),
+    "mlp.experts.{e}.gate_proj.weight": ("mlp.experts_w13", "expert_gate"),
+    "mlp.experts.{e}.up_proj.weight": ("mlp.experts_w13", "expert_up"),
+    "mlp.experts.{e}.down_proj.weight": ("mlp.experts_w2", "expert_down"),
+}
+LLADA2_TOP = {"model.word_embeddings.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
+              "lm_head.weight": "output.weight"}
 
 
 @dataclass(frozen=True)
@@ -277,6 +376,7 @@ class _Family:
     mask_token_names: tuple[str, ...]  # tokens that mean "mask" when neither config.json nor the tokenizer names one
     bpe_tokenizer: str | None = None  # transformers' class for vocab.json + merges.txt when there is no tokenizer.json
     default_mask_token_id: int | None = None  # when nothing names one (what the family's servers hard-code)
+    default_eos_token_id: int | None = None  # when neither tokenizer, config.json nor generation_config.json does
     block_causal: bool = False  # config takes block_size= (dllm.load's block_size option)
     block_anchor: str = "answer"  # Capabilities.block_anchor: where the family's blocks start
 
@@ -293,6 +393,10 @@ _FAMILIES = {
     "sdar": _Family(sdar_config, "model.layers.", SDAR_LAYER, SDAR_TOP, _ROTARY, ("<|MASK|>", "<MASK>"),
                     "Qwen2Tokenizer", default_mask_token_id=SDAR_MASK_TOKEN_ID, block_causal=True,
                     block_anchor="absolute"),
+    # LLaDA2's tokenizer (Ling's) ships a tokenizer.json
+    "llada2": _Family(llada2_config, "model.layers.", LLADA2_LAYER, LLADA2_TOP, _ROTARY, ("<|mask|>",),
+                      default_mask_token_id=LLADA2_MASK_TOKEN_ID, default_eos_token_id=LLADA2_EOS_TOKEN_ID,
+                      block_causal=True, block_anchor="absolute"),
 }
 
 
@@ -301,7 +405,13 @@ def weight_renamer(family: str, config: TransformerConfig) -> Callable[[str], Ta
     spec = _FAMILIES[family]
     q_dim, kv_dim = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
     offsets = {None: 0, "q": 0, "k": q_dim, "v": q_dim + kv_dim, "gate": 0, "up": config.mlp_hidden}
+    moe, strides = config.moe, {}
+    if moe is not None:  # expert e's gate, up and down rows in the stacked experts; the shared experts' up
+        hidden = moe.hidden
+        offsets.update(shared_up=moe.n_shared_experts * hidden, expert_gate=0, expert_up=hidden, expert_down=0)
+        strides = {"expert_gate": 2 * hidden, "expert_up": 2 * hidden, "expert_down": config.dim}
     layer_name = re.compile(re.escape(spec.layer_prefix) + r"(\d+)\.(.+)$")
+    expert_name = re.compile(r"(.*\.experts\.)(\d+)(\..+)$")
 
     def rename(hub_name: str) -> Target | None:
         if re.search(spec.ignored, hub_name):
@@ -312,12 +422,21 @@ def weight_renamer(family: str, config: TransformerConfig) -> Callable[[str], Ta
                 return None  # a tied checkpoint may store the shared matrix twice; ours is the embedding
             return Target(ours)
         match = layer_name.match(hub_name)
-        if match is None or match.group(2) not in spec.layer or int(match.group(1)) >= config.n_layers:
+        if match is None or int(match.group(1)) >= config.n_layers:
             raise KeyError(hub_name)
-        ours, slot = spec.layer[match.group(2)]
-        if ours.endswith("bias") and not config.qkv_bias:
+        rest, expert = match.group(2), None
+        numbered = expert_name.match(rest)
+        if numbered is not None:
+            rest, expert = f"{numbered.group(1)}{{e}}{numbered.group(3)}", int(numbered.group(2))
+        if rest not in spec.layer or (expert is not None and (moe is None or expert >= moe.n_experts)):
             raise KeyError(hub_name)
-        return Target(f"layers.{match.group(1)}.{ours}", offsets[slot])
+        ours, slot = spec.layer[rest]
+        if ours.endswith("bias") and ours.startswith("attn.") and not config.qkv_bias:
+            raise KeyError(hub_name)
+        if ours.startswith("mlp.shared.") and moe is not None and not moe.n_shared_experts:
+            return None  # num_shared_experts 0: the real code still stores its empty (0-row) shared expert
+        offset = offsets[slot] + (expert * strides[slot] if expert is not None else 0)
+        return Target(f"layers.{match.group(1)}.{ours}", offset)
 
     return rename
 
@@ -327,7 +446,8 @@ def weight_renamer(family: str, config: TransformerConfig) -> Callable[[str], Ta
 
 def load_native(name_or_path: str | os.PathLike, family: str, device=None, dtype: torch.dtype | None = None,
                 **kw: Any) -> NativeLM:
-    """A LLaDA, Dream or SDAR checkpoint (local folder or hub id) as a NativeLM with ``.tokenizer``; no hub code runs.
+    """A LLaDA, Dream, SDAR or LLaDA2 checkpoint (local folder or hub id) as a NativeLM with ``.tokenizer``; no hub
+    code runs.
 
     kw: ``device_map`` (accelerate placement across GPUs, instead of ``device``), ``tokenizer`` (object or
     path), ``mask_token_id`` (override), ``block_size`` (block-causal families: override of config.json's, or of
@@ -355,6 +475,9 @@ def load_native(name_or_path: str | os.PathLike, family: str, device=None, dtype
     namespace = types.SimpleNamespace(**hub)  # the attribute view the adapters' id helpers read
     mask_token_id = _mask_token_id(kw.get("mask_token_id"), family, folder, namespace, tokenizer)
     eos, pad, stops = special_ids(namespace, tokenizer)
+    if eos is None:
+        eos = _fallback_eos(family, folder, hub.get("vocab_size"))
+        stops = tuple(dict.fromkeys(i for i in (eos, *stops) if i is not None))
     blocks = {"block_size": block_size} if spec.block_causal else {}
     config = spec.config(hub, mask_token_id, eos, pad, **blocks)
     from accelerate import init_empty_weights
@@ -368,6 +491,19 @@ def load_native(name_or_path: str | os.PathLike, family: str, device=None, dtype
     model.requires_grad_(False).eval()
     model.tokenizer, model.stop_token_ids = tokenizer, stops
     return model
+
+
+def _fallback_eos(family: str, folder: Path, vocab_size: int | None) -> int | None:
+    """The EOS id when neither the tokenizer nor config.json names one: generation_config.json's, else the family's
+    default where the vocabulary holds it, else None."""
+    generation = folder / "generation_config.json"
+    if generation.is_file():
+        value = json.loads(generation.read_text()).get("eos_token_id")
+        value = value[0] if isinstance(value, list) and value else value
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    default = _FAMILIES[family].default_eos_token_id
+    return default if default is not None and (vocab_size is None or default < vocab_size) else None
 
 
 def _mask_token_id(given: int | None, family: str, folder: Path, config, tokenizer) -> int:

@@ -6,6 +6,10 @@ One module, three attention layouts chosen by ``TransformerConfig.layout``:
   - ``block_causal``: block diffusion; bidirectional inside blocks of ``block_size`` positions, causal
     across blocks (a query in block b sees keys in blocks <= b); ``logits[:, i]`` predicts token i.
 
+Two optional parts for hub architectures (both off by default): partial rotary (``rotary_dim``: only the first
+channels of each head rotate, LLaDA2's ``partial_rotary_factor``) and a mixture-of-experts MLP (``moe``:
+``MoEConfig``, DeepSeek-V3-style routing as LLaDA2 / Ling use it).
+
 Mask convention everywhere: boolean, True = may attend (as in ``F.scaled_dot_product_attention``).
 Layout masks are built from position ids, so left padding moves block boundaries with the real tokens,
 and ``block_offset`` aligns blocks to e.g. the start of a generated answer.
@@ -14,6 +18,7 @@ and ``block_offset`` aligns blocks to e.g. the start of a generated answer.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -49,6 +54,65 @@ def _check_token_id(name: str, value: Any, vocab_size: int) -> None:
         raise ValueError(f"{name} must be None or an int in [0, vocab_size={vocab_size}), got {value!r}")
 
 
+SCORE_FUNCTIONS = ("sigmoid",)  # router score functions MoEConfig implements
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts MLP in place of the SwiGLU (DeepSeek-V3's routing, as LLaDA2 / Ling use it).
+
+    Each token's router scores ``score(x W_router)`` (float32) plus a per-expert bias choose its
+    ``experts_per_token`` experts, only among the ``topk_groups`` best of ``n_groups`` equal groups of experts (a
+    group ranked by the sum of its two best biased scores); the chosen experts' *unbiased* scores, renormalised to
+    sum to 1 (``norm_topk``, when more than one expert is chosen) and times ``routed_scaling``, weight their SwiGLU
+    outputs (the bias steers the choice only: auxiliary-loss-free load balancing). ``n_shared_experts`` always-on
+    experts run as one SwiGLU of ``n_shared_experts * hidden``. The first ``dense_layers`` layers keep the dense
+    SwiGLU of ``TransformerConfig.mlp_hidden`` (LLaDA2's ``first_k_dense_replace``).
+    """
+
+    n_experts: int
+    experts_per_token: int
+    hidden: int  # each routed expert's SwiGLU width (LLaDA2's moe_intermediate_size)
+    n_shared_experts: int = 0
+    n_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling: float = 1.0
+    norm_topk: bool = True
+    score: str = "sigmoid"  # one of SCORE_FUNCTIONS
+    dense_layers: int = 0
+
+    def __post_init__(self):
+        for name in ("n_experts", "experts_per_token", "hidden", "n_groups", "topk_groups"):
+            _check_positive_int(f"moe.{name}", getattr(self, name))
+        for name in ("n_shared_experts", "dense_layers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"moe.{name} must be an int >= 0, got {value!r}")
+        if self.n_experts % self.n_groups:
+            raise ValueError(f"moe.n_groups ({self.n_groups}) must divide moe.n_experts ({self.n_experts})")
+        if self.n_groups > 1 and self.n_experts // self.n_groups < 2:
+            raise ValueError(f"moe.n_groups ({self.n_groups}) leaves fewer than 2 experts per group (a group is "
+                             f"ranked by its two best scores)")
+        if self.topk_groups > self.n_groups:
+            raise ValueError(f"moe.topk_groups ({self.topk_groups}) must be <= moe.n_groups ({self.n_groups})")
+        reachable = self.topk_groups * (self.n_experts // self.n_groups)
+        if self.experts_per_token > reachable:
+            raise ValueError(f"moe.experts_per_token ({self.experts_per_token}) must be <= the experts of the "
+                             f"moe.topk_groups best groups ({reachable})")
+        value = self.routed_scaling
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+            raise ValueError(f"moe.routed_scaling must be a positive number, got {value!r}")
+        if not isinstance(self.norm_topk, bool):
+            raise ValueError(f"moe.norm_topk must be a bool, got {self.norm_topk!r}")
+        if self.score not in SCORE_FUNCTIONS:
+            raise ValueError(f"moe.score must be one of {SCORE_FUNCTIONS}, got {self.score!r}")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> MoEConfig:
+        """Build from a dict, rejecting keys that are not fields."""
+        return _from_fields(cls, values)
+
+
 @dataclass(frozen=True)
 class TransformerConfig:
     """Architecture and special token ids of a TransformerLM (validated on construction)."""
@@ -72,11 +136,14 @@ class TransformerConfig:
     shift_logits: bool = False  # logits at position p read the last-layer state at p - 1 (Dream's AR init)
     head_dim: int | None = None  # None -> dim // n_heads; Qwen3-style checkpoints (SDAR) may set another width
     qk_norm: bool = False  # RMSNorm of each query and key head over head_dim before rotary (Qwen3's q_norm / k_norm)
+    rotary_dim: int | None = None  # None -> head_dim; fewer: only each head's first rotary_dim channels rotate (LLaDA2)
+    moe: MoEConfig | None = None  # experts in place of the SwiGLU after moe.dense_layers layers (LLaDA2); or its dict
 
     def __post_init__(self):
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len"):
             _check_positive_int(name, getattr(self, name))
         self._check_heads()
+        self._check_moe()
         self._check_layout()
         for name in ("mask_token_id", "eos_token_id", "pad_token_id"):
             _check_token_id(name, getattr(self, name), self.vocab_size)
@@ -111,6 +178,23 @@ class TransformerConfig:
         _check_positive_int("n_kv_heads", self.n_kv_heads)
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_kv_heads ({self.n_kv_heads}) must divide n_heads ({self.n_heads})")
+        if self.rotary_dim is None:
+            object.__setattr__(self, "rotary_dim", self.head_dim)
+        _check_positive_int("rotary_dim", self.rotary_dim)
+        if self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
+            raise ValueError(f"rotary_dim must be even and <= head_dim ({self.head_dim}), got {self.rotary_dim}")
+
+    def _check_moe(self) -> None:
+        """``moe`` is None or a MoEConfig (a dict, as config.json holds it, is read into one) whose dense layers
+        fit in n_layers."""
+        if isinstance(self.moe, dict):
+            object.__setattr__(self, "moe", MoEConfig.from_dict(self.moe))
+        if self.moe is None:
+            return
+        if not isinstance(self.moe, MoEConfig):
+            raise ValueError(f"moe must be None, a MoEConfig or its dict, got {self.moe!r}")
+        if self.moe.dense_layers > self.n_layers:
+            raise ValueError(f"moe.dense_layers ({self.moe.dense_layers}) must be <= n_layers ({self.n_layers})")
 
     def _check_layout(self) -> None:
         """Layout is known and carries the fields it needs (block_size, mask_token_id)."""
@@ -132,11 +216,16 @@ class TransformerConfig:
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> TransformerConfig:
         """Build from a dict, rejecting keys that are not fields (typos must not pass silently)."""
-        fields = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(values) - set(fields))
-        if unknown:
-            raise ValueError(f"unknown TransformerConfig keys {unknown}; allowed keys: {fields}")
-        return cls(**values)
+        return _from_fields(cls, values)
+
+
+def _from_fields(cls, values: dict[str, Any]):
+    """``cls(**values)`` for a config dataclass, or a ValueError naming the keys that are not its fields."""
+    fields = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} keys {unknown}; allowed keys: {fields}")
+    return cls(**values)
 
 
 def layout_mask(
@@ -166,10 +255,16 @@ def layout_mask(
 
 
 def _apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate channel pairs (i, i + D/2) by position angles, in float32.  # x [B, H, L, D]; cos [B, L, D/2]"""
+    """Rotate channel pairs (i, i + R/2) of the first R = 2 * cos.shape[-1] channels by position angles, in float32;
+    channels past R pass unrotated (partial rotary: LLaDA2 rotate-halves the first half of each head, as
+    transformers' ``apply_rotary_pos_emb`` with a narrower cos).  # x [B, H, L, D]; cos [B, L, R/2]"""
     cos, sin = rearrange(cos, "b l d -> b 1 l d"), rearrange(sin, "b l d -> b 1 l d")
-    first, second = x.float().chunk(2, dim=-1)
+    width = 2 * cos.shape[-1]
+    x32 = x.float()
+    first, second = x32[..., :width].chunk(2, dim=-1)
     rotated = torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+    if width < x.shape[-1]:
+        rotated = torch.cat((rotated, x32[..., width:]), dim=-1)
     return rotated.to(x.dtype)
 
 
@@ -236,8 +331,8 @@ class _Attention(nn.Module):
     def forward(
         self,
         x: Tensor,  # [B, L, dim]
-        cos: Tensor,  # [B, L, D/2]
-        sin: Tensor,  # [B, L, D/2]
+        cos: Tensor,  # [B, L, R/2], R = rotary_dim
+        sin: Tensor,  # [B, L, R/2]
         mask: Tensor,  # [B, 1, L, P + L] bool
         past: tuple[Tensor, Tensor] | None,  # cached ([B, H_kv, P, D], [B, H_kv, P, D])
     ) -> tuple[Tensor, Tensor, Tensor]:
@@ -274,15 +369,125 @@ class _SwiGLU(nn.Module):
         return self.w2(F.silu(gate) * up)
 
 
-class _Block(nn.Module):
-    """Pre-norm residual block: attention then SwiGLU."""
+class _MoE(nn.Module):
+    """Routed experts plus shared ones (``MoEConfig``), computed as LLaDA2's ``LLaDA2MoeSparseMoeBlock`` does.
 
-    def __init__(self, config: TransformerConfig):
+    The experts' weights are stacked, expert e's rows at e's offset (what a hub checkpoint's per-expert tensors
+    fill): ``experts_w13`` [E * 2H, dim] (gate then up), ``experts_w2`` [E * dim, H]. The (token, expert) pairs are
+    sorted by expert and each projection is one grouped matmul over all pairs (``_grouped_linear``).
+    """
+
+    def __init__(self, dim: int, moe: MoEConfig):
+        super().__init__()
+        self.moe, self.dim = moe, dim
+        self.router = nn.Linear(dim, moe.n_experts, bias=False)
+        self.register_buffer("expert_bias", torch.zeros(moe.n_experts))  # steers the choice only
+        self.experts_w13 = nn.Parameter(torch.empty(moe.n_experts * 2 * moe.hidden, dim))
+        self.experts_w2 = nn.Parameter(torch.empty(moe.n_experts * dim, moe.hidden))
+        self.shared = _SwiGLU(dim, moe.n_shared_experts * moe.hidden) if moe.n_shared_experts else None
+
+    def init_buffers(self, device: torch.device | None) -> None:
+        """A checkpoint without a router bias routes on the scores alone (the real code's zero buffer): zeros where
+        the buffer was never filled, moved to ``device`` where it was made outside the meta device."""
+        if self.expert_bias.is_meta:
+            self.expert_bias = torch.zeros(self.moe.n_experts, device=device)
+        elif device is not None:
+            self.expert_bias = self.expert_bias.to(device)
+
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """Each token's experts and their weights, in float32.  # x [T, dim] -> ([T, k] long, [T, k] float32)"""
+        moe = self.moe
+        scores = F.linear(x.float(), self.router.weight.float()).sigmoid()  # [T, E]
+        choice = scores + self.expert_bias.float()
+        if moe.topk_groups < moe.n_groups:  # only experts of the topk_groups best groups stay eligible
+            grouped = rearrange(choice, "t (g e) -> t g e", g=moe.n_groups)
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
+            best = group_scores.topk(moe.topk_groups, dim=-1).indices
+            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+            choice = rearrange(grouped.masked_fill(~keep[..., None], float("-inf")), "t g e -> t (g e)")
+        experts = choice.topk(moe.experts_per_token, dim=-1).indices
+        weights = scores.gather(1, experts)
+        if moe.norm_topk and moe.experts_per_token > 1:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)  # the real code's epsilon
+        return experts, weights * moe.routed_scaling
+
+    def forward(self, x: Tensor) -> Tensor:  # [B, L, dim] -> [B, L, dim]
+        flat = rearrange(x, "b l d -> (b l) d")
+        experts, weights = self.route(flat)
+        out = rearrange(self._routed(flat, experts, weights), "(b l) d -> b l d", b=x.shape[0])
+        return out if self.shared is None else out + self.shared(x)
+
+    def _routed(self, x: Tensor, experts: Tensor, weights: Tensor) -> Tensor:
+        """Sum over each token's experts of weight x SwiGLU_e(x).  # x [T, dim], experts/weights [T, k] -> [T, dim]"""
+        moe, k = self.moe, experts.shape[1]
+        order = experts.flatten().argsort(stable=True)  # (token, slot) pairs grouped by expert
+        counts = torch.bincount(experts.flatten(), minlength=moe.n_experts)  # [E]
+        pairs = x[order // k]  # [T * k, dim]
+        w13 = self.experts_w13.view(moe.n_experts, 2 * moe.hidden, self.dim)
+        gate, up = _grouped_linear(pairs, w13, counts).chunk(2, dim=-1)
+        w2 = self.experts_w2.view(moe.n_experts, self.dim, moe.hidden)
+        done = _grouped_linear(F.silu(gate) * up, w2, counts)  # [T * k, dim], sorted by expert
+        out = torch.empty_like(done)
+        out[order] = done
+        # weighted in float32 and summed per token (as the real moe_infer): no atomic adds, same on every run
+        return (rearrange(out, "(t k) d -> t k d", k=k).float() * weights[..., None]).sum(dim=1).to(x.dtype)
+
+
+def _grouped_linear(x: Tensor, weight: Tensor, counts: Tensor) -> Tensor:
+    """Rows of ``x`` grouped by expert (``counts[e]`` rows for expert e, in order) times ``weight[e]``^T.
+
+    # x [N, K], weight [E, M, K], counts [E] -> [N, M]
+    One grouped matmul (``F.grouped_mm``: every expert in one call, the counts never read on the host) where torch
+    has it for the operands (``_grouped_mm_ok``); else one matmul per expert that received rows, the counts read
+    once on the host (a sync per MoE layer on a GPU). Why not one ``bmm`` over each (token, expert) pair with its
+    expert's weights gathered: it copies an expert's weights once per pair. Measured on 2 CPU cores at LLaDA2-mini's
+    layer (dim 2048, 256 experts of 512, top 8, float32): 8 tokens 31 ms grouped, 29 ms per expert, 355 ms gathered;
+    64 tokens 134, 129 and 4219 ms; 256 tokens 276 and 296 ms (gathered: 17 GB, not run). On the CPU grouped_mm is
+    a loop of matmuls itself, so the two paths cost the same; it is kept for the missing host read.
+    """
+    if _grouped_mm_ok(x, weight):
+        offsets = counts.cumsum(0).to(torch.int32)
+        return F.grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
+    parts = x.split(counts.tolist())
+    return torch.cat([part @ weight[e].T for e, part in enumerate(parts) if part.shape[0]]
+                     or [x.new_empty(0, weight.shape[1])])
+
+
+def _grouped_mm_ok(x: Tensor, weight: Tensor) -> bool:
+    """Whether ``F.grouped_mm`` (torch >= 2.9) serves these operands: rows a multiple of 16 bytes wide (its kernels'
+    stride rule, on the CPU too); on CUDA bfloat16 at compute capability >= 8.0; on the CPU whatever a one-time trial
+    in that dtype runs."""
+    if getattr(F, "grouped_mm", None) is None or (x.shape[-1] * x.element_size()) % 16 \
+            or (weight.shape[1] * weight.element_size()) % 16:
+        return False
+    if x.device.type == "cpu":
+        return _cpu_grouped_mm(x.dtype)
+    return (x.device.type == "cuda" and x.dtype == weight.dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(x.device) >= (8, 0))
+
+
+@functools.cache
+def _cpu_grouped_mm(dtype: torch.dtype) -> bool:
+    """One small grouped matmul on the CPU in ``dtype``, checked against its known result (torch versions differ)."""
+    x, weight = torch.ones(3, 8, dtype=dtype), torch.ones(2, 8, 8, dtype=dtype)
+    try:
+        out = F.grouped_mm(x, weight.transpose(-2, -1), offs=torch.tensor([1, 3], dtype=torch.int32))
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return out.shape == (3, 8) and bool((out == 8).all())
+
+
+class _Block(nn.Module):
+    """Pre-norm residual block: attention then SwiGLU (or, with ``config.moe`` past its dense layers, experts)."""
+
+    def __init__(self, config: TransformerConfig, index: int = 0):
         super().__init__()
         self.attn_norm = _RMSNorm(config.dim, config.norm_eps)
         self.attn = _Attention(config)
         self.mlp_norm = _RMSNorm(config.dim, config.norm_eps)
-        self.mlp = _SwiGLU(config.dim, config.mlp_hidden)
+        moe = config.moe
+        self.mlp = _MoE(config.dim, moe) if moe is not None and index >= moe.dense_layers \
+            else _SwiGLU(config.dim, config.mlp_hidden)
 
     def forward(self, x, cos, sin, mask, past, keep: bool = True) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """Same arguments as _Attention.forward; returns (x [B, L, dim], k, v), k and v None unless ``keep`` (v
@@ -458,10 +663,10 @@ class TransformerLM(nn.Module):
             self.block_size = config.block_size
         self.eos_token_id, self.pad_token_id = config.eos_token_id, config.pad_token_id
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleList(_Block(config) for _ in range(config.n_layers))
+        self.layers = nn.ModuleList(_Block(config, index) for index in range(config.n_layers))
         self.norm = _RMSNorm(config.dim, config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
-        self.rotary = _Rotary(config.head_dim, config.max_seq_len, config.rope_theta)
+        self.rotary = _Rotary(config.rotary_dim, config.max_seq_len, config.rope_theta)
         self._init_weights()
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
@@ -476,7 +681,13 @@ class TransformerLM(nn.Module):
         residual_std = 0.02 / (2 * self.config.n_layers) ** 0.5
         for layer in self.layers:
             nn.init.normal_(layer.attn.wo.weight, std=residual_std)
-            nn.init.normal_(layer.mlp.w2.weight, std=residual_std)
+            mlp = layer.mlp
+            if isinstance(mlp, _MoE):
+                nn.init.normal_(mlp.experts_w13, std=0.02)
+                nn.init.normal_(mlp.experts_w2, std=residual_std)
+                mlp = mlp.shared
+            if mlp is not None:
+                nn.init.normal_(mlp.w2.weight, std=residual_std)
 
     def param_count(self) -> int:
         """Number of parameters (tied embedding counted once)."""
@@ -743,7 +954,10 @@ class TransformerLM(nn.Module):
         if not indices or indices != sorted(set(indices)) or indices[0] < 0 or indices[-1] >= len(self.layers):
             raise ValueError(f"layers to keep must be increasing indices in 0..{len(self.layers) - 1}, got {indices}")
         self.layers = nn.ModuleList(self.layers[i] for i in indices)
-        self.config = dataclasses.replace(self.config, n_layers=len(indices))
+        moe = self.config.moe  # the kept dense layers still come first
+        if moe is not None:
+            moe = dataclasses.replace(moe, dense_layers=sum(i < moe.dense_layers for i in indices))
+        self.config = dataclasses.replace(self.config, n_layers=len(indices), moe=moe)
 
     def save_pretrained(self, folder: str | Path) -> None:
         """Write ``config.json`` and ``model.safetensors`` (tied output weight stored once) to folder."""
