@@ -60,6 +60,7 @@ import dllm
 from dllm.defaults import DTYPE, DTYPES, MAX_NEW_TOKENS, TEMPERATURE, resolve_dtype
 from dllm.eval.answers import truncate_at_stop
 from dllm.eval.data import DataError
+from dllm.eval.presets import PRESETS, get_preset
 from dllm.eval.report import RUN_FILE, SAMPLES_FILE, SUMMARY_FILE, load_samples, parse_samples, summarize_folder
 from dllm.eval.tasks import TASKS, get_task
 from dllm.models.chat import has_chat_template
@@ -107,6 +108,7 @@ class EvalConfig:
     num_samples: int = 1
     progress: bool = True
     truncate: str | None = None  # None: a prompt that does not fit the model's context is an error
+    preset: str | None = None  # the family preset these settings came from (eval/presets.py), if any
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -166,19 +168,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=DTYPE, choices=DTYPES,
                    help="auto (default: bfloat16 on GPUs and CPUs with native bf16, else float32)")
     p.add_argument("--device", help="e.g. cuda:0 or cpu (default: cuda:LOCAL_RANK when available)")
-    p.add_argument("--sampler", default="fef", choices=sorted(SAMPLERS))
+    p.add_argument("--preset", choices=sorted(PRESETS),
+                   help="a family's published decoding (sampler, options, temperature, chat template, answer length: "
+                        "eval/presets.py); flags given explicitly win over it")
+    p.add_argument("--sampler", default=None, choices=sorted(SAMPLERS), help="default fef (or the preset's)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="sampler option, repeatable: --option window=4 --option order=confidence; "
                         "--option drafter=PATH loads an ar_spec drafter with dllm.load")
     p.add_argument("--max-new-tokens", type=int, help=f"default {MAX_NEW_TOKENS}, or less where the model's context "
                    "leaves less room after the longest prompt (an explicit value is checked strictly)")
-    p.add_argument("--temperature", type=float, default=TEMPERATURE, help=f"0 is greedy (default {TEMPERATURE})")
+    p.add_argument("--temperature", type=float, default=None,
+                   help=f"0 is greedy (default {TEMPERATURE}, or the preset's)")
     p.add_argument("--limit", type=int, help="first N problems only")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", help="results folder (default: eval_results/TASK-SAMPLER)")
     p.add_argument("--num-fewshot", type=int, help="few-shot examples (gsm8k, mbpp)")
-    p.add_argument("--chat", action="store_true", help="zero-shot chat prompts through the tokenizer's template")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="zero-shot chat prompts through the tokenizer's template (default off, or the preset's)")
     p.add_argument("--data-file", help="local JSONL/JSON file of the task's problems")
     p.add_argument("--subset", help="task subset: math 500|full, mbpp full|sanitized")
     p.add_argument("--num-samples", type=int, default=1, help="samples per problem (pass@k for code tasks)")
@@ -190,13 +197,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(argv: Sequence[str]) -> EvalConfig:
     args = build_parser().parse_args(argv)
+    preset = get_preset(args.preset) if args.preset else None
+    sampler = args.sampler or (preset.sampler if preset else "fef")
+    options = _parse_options(sampler, args.option)
+    if preset is not None and sampler == preset.sampler:  # the preset's options, less those given
+        options = {**preset.options, **options}
     return EvalConfig(
         task=args.task, model=args.model, kind=args.kind, dtype=args.dtype, device=args.device,
-        sampler=args.sampler, options=_parse_options(args.sampler, args.option), max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature, limit=args.limit, batch_size=args.batch_size, seed=args.seed,
-        output=args.output or f"eval_results/{args.task}-{args.sampler}", num_fewshot=args.num_fewshot,
-        chat=args.chat, data_file=args.data_file, subset=args.subset, num_samples=args.num_samples,
-        progress=not args.no_progress, truncate=args.truncate,
+        sampler=sampler, options=options,
+        max_new_tokens=args.max_new_tokens if args.max_new_tokens is not None or preset is None
+        else preset.max_new_tokens,
+        temperature=args.temperature if args.temperature is not None else
+        (preset.temperature if preset else TEMPERATURE), limit=args.limit, batch_size=args.batch_size, seed=args.seed,
+        output=args.output or f"eval_results/{args.task}-{args.preset or sampler}", num_fewshot=args.num_fewshot,
+        chat=args.chat if args.chat is not None else bool(preset and preset.chat), data_file=args.data_file, subset=args.subset,
+        num_samples=args.num_samples, progress=not args.no_progress, truncate=args.truncate, preset=args.preset,
     )
 
 

@@ -239,7 +239,7 @@ def test_every_entry_point_shares_the_defaults(checkpoints, capsys):
     from dllm.samplers import SAMPLERS
 
     plugin = inspect.signature(DllmLM.__init__).parameters
-    eval_args = runner.build_parser().parse_args(["synthetic"])
+    eval_args = runner.config_from_args(["synthetic"])  # (the parser leaves unset what a --preset may fill)
     temperatures = [inspect.signature(dllm.generate).parameters["temperature"].default, eval_args.temperature,
                     runner.EvalConfig("synthetic").temperature, bench.Settings().temperature,
                     plugin["temperature"].default]

@@ -147,3 +147,20 @@ def test_exact_samplers_sample_the_native_models_chain(small, sampler, options):
                          eos_token_id=None,
                          denoising_steps=1, generator=torch.Generator().manual_seed(0))  # the block at once
     assert chi_square_pvalue(sdar.sequences[:, 6:], expected) < ALPHA
+
+
+def test_the_eval_preset_runs_the_official_decoder_and_is_recorded(folder, tmp_path):
+    """``dllm eval synthetic --preset sdar``: SDAR's published decoding on the native model, the preset's name and
+    values in run.json; an explicit flag wins over the preset."""
+    import json
+
+    from dllm.eval.runner import main
+
+    out = tmp_path / "run"
+    assert main(["synthetic", "--preset", "sdar", "--model", str(folder), "--no-chat", "--limit", "2",
+                 "--max-new-tokens", "8", "--option", "denoising_steps=2", "--output", str(out), "--no-progress",
+                 "--dtype", "float32"]) == 0
+    identity = json.loads((out / "run.json").read_text())["identity"]
+    assert identity["preset"] == "sdar" and identity["sampler"] == "sdar" and identity["temperature"] == 0.0
+    assert identity["sampler_options"]["confidence_threshold"] == 0.9  # the preset's
+    assert identity["sampler_options"]["denoising_steps"] == 2  # the flag's
