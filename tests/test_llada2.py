@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 from fixtures.hf.llada2_checkpoints import make_llada2_folder, reference_logits, reference_model
-from fixtures.hf.remote_checkpoints import REMOTE_CODE, require_remote_code
+from fixtures.hf.remote_checkpoints import REMOTE_CODE, max_logit_diff, require_remote_code
 
 import dllm
 from dllm.models import transformer
@@ -48,11 +48,7 @@ def model(folder):
 
 
 def _max_diff(native, real, mask=MASK):
-    """Largest difference outside the mask token's column (the native model sets that logit to -inf)."""
-    assert torch.isinf(native[..., mask]).all() and native.shape == real.shape
-    keep = torch.ones(native.shape[-1], dtype=torch.bool)
-    keep[mask] = False
-    return (native[..., keep] - real[..., keep]).abs().max().item()
+    return max_logit_diff(native, real, mask)
 
 
 def _ids(shape, seed):

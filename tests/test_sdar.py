@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from fixtures.hf.remote_checkpoints import require_remote_code
+from fixtures.hf.remote_checkpoints import max_logit_diff, require_remote_code
 from fixtures.hf.sdar_checkpoints import REMOTE_CODE, make_sdar_folder, reference_logits, reference_model
 
 import dllm
@@ -38,12 +38,8 @@ def reference(folder):
     return reference_model(folder)
 
 
-def _max_diff(native, real):
-    """Largest difference outside the mask token's column (the native model sets that logit to -inf)."""
-    assert torch.isinf(native[..., MASK]).all() and native.shape == real.shape
-    keep = torch.ones(native.shape[-1], dtype=torch.bool)
-    keep[MASK] = False
-    return (native[..., keep] - real[..., keep]).abs().max().item()
+def _max_diff(native, real, mask=MASK):
+    return max_logit_diff(native, real, mask)
 
 
 def _ids(shape, seed):

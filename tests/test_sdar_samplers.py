@@ -131,22 +131,11 @@ def small(tmp_path_factory):
 def test_exact_samplers_sample_the_native_models_chain(small, sampler, options):
     """On the native SDAR itself (q/k norm, head_dim != hidden / heads, blocks of 4 from position 0): a 6-token
     prompt puts two prompt tokens in the first block, 3 new tokens end one short of it (decoded, then cut)."""
-    from dllm.samplers import sequential_distribution
+    from stat_tools import check_native_chain
 
-    from stat_tools import ALPHA, chi_square_pvalue
-
-    prompt = torch.tensor([0, 3, 1, 4, 2, 0])
-    expected = sequential_distribution(small, prompt, 3, block_length=4, temperature=1.0)
-    with torch.no_grad():
-        out = dllm.generate(small, prompt.expand(5000, -1), sampler=sampler, max_new_tokens=3, temperature=1.0,
-                            eos_token_id=None,
-                            generator=torch.Generator().manual_seed(0), **options)
-    assert out.exact
-    assert chi_square_pvalue(out.sequences[:, 6:], expected) > ALPHA, (sampler, options)
-    sdar = dllm.generate(small, prompt.expand(5000, -1), sampler="sdar", max_new_tokens=3, temperature=1.0,
-                         eos_token_id=None,
-                         denoising_steps=1, generator=torch.Generator().manual_seed(0))  # the block at once
-    assert chi_square_pvalue(sdar.sequences[:, 6:], expected) < ALPHA
+    # the decoder revealing the block at once samples another law
+    check_native_chain(small, torch.tensor([0, 3, 1, 4, 2, 0]), 3, 4, sampler, options,
+                       {"sampler": "sdar", "denoising_steps": 1})
 
 
 def test_the_eval_preset_runs_the_official_decoder_and_is_recorded(folder, tmp_path):
