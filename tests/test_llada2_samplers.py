@@ -13,11 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 from fixtures.hf.llada2_checkpoints import make_llada2_folder, reference_model
-from fixtures.hf.remote_checkpoints import require_remote_code
 
 import dllm
-
-require_remote_code("llada2")
 
 
 def _runnable(model, mask_id: int):

@@ -14,12 +14,9 @@ import importlib
 
 import pytest
 import torch
-from fixtures.hf.remote_checkpoints import require_remote_code
 from fixtures.hf.sdar_checkpoints import _PACKAGE, _modules, _patched, make_sdar_folder, reference_model
 
 import dllm
-
-require_remote_code("sdar")
 
 
 @pytest.fixture(scope="module")
