@@ -210,8 +210,9 @@ def config_from_args(argv: Sequence[str]) -> EvalConfig:
         temperature=args.temperature if args.temperature is not None else
         (preset.temperature if preset else TEMPERATURE), limit=args.limit, batch_size=args.batch_size, seed=args.seed,
         output=args.output or f"eval_results/{args.task}-{args.preset or sampler}", num_fewshot=args.num_fewshot,
-        chat=args.chat if args.chat is not None else bool(preset and preset.chat), data_file=args.data_file, subset=args.subset,
-        num_samples=args.num_samples, progress=not args.no_progress, truncate=args.truncate, preset=args.preset,
+        chat=args.chat if args.chat is not None else bool(preset and preset.chat), data_file=args.data_file,
+        subset=args.subset, num_samples=args.num_samples, progress=not args.no_progress, truncate=args.truncate,
+        preset=args.preset,
     )
 
 

@@ -304,15 +304,18 @@ SHIPPED = sorted(p.name for p in WEIGHTS.iterdir() if (p / "tokenizer.json").exi
 @pytest.mark.parametrize("name", SHIPPED)
 def test_shipped_weights_load_and_generate(name):
     import dllm
+    from dllm.protocols import capabilities
     from dllm.training.evaluate import AnswerAligned, default_sampler
 
     folder = WEIGHTS / name
-    model = TransformerLM.from_pretrained(folder)
+    hub = "model_type" in json.loads((folder / "config.json").read_text())  # a hub-layout folder (sdar)
+    model = dllm.load(folder) if hub else TransformerLM.from_pretrained(folder)
     tokenizer = load_tokenizer(folder / "tokenizer.json")
     assert model.vocab_size == len(tokenizer) and (folder / "README.md").exists()
     prompt = tokenizer(f"Question: {heldout_set()[0]['question']}\nAnswer:")["input_ids"]
     sampler, options = default_sampler(model)
-    target = AnswerAligned(model, len(prompt)) if model.config.layout == "block_causal" else model
+    aligned = model.config.layout == "block_causal" and capabilities(model).block_anchor == "answer"
+    target = AnswerAligned(model, len(prompt)) if aligned else model  # an absolute anchor: generate's own
     out = dllm.generate(target, torch.tensor([prompt]), sampler=sampler, max_new_tokens=8, temperature=0,
                         generator=torch.Generator().manual_seed(0), **options)
     text = tokenizer.decode(out.sequences[0, len(prompt):])

@@ -15,6 +15,13 @@ fill the rest of its canvas with EOS; decoding cuts at the first EOS). Region le
 - ``block_causal``: answer + EOS rounded up to whole blocks, plus one all-EOS block, so the model also
   learns that the block after the end is EOS (later blocks never see the canvas length).
 
+Block anchor (block_causal only, ``train.block_anchor``): ``"answer"`` (the default) starts blocks at the
+answer; ``"absolute"`` starts them at position 0, as SDAR does (the prompt is block-causal too, and the
+first answer block may begin inside the prompt's last block). With ``"absolute"`` the region ends at a
+block boundary in absolute positions (prompt + answer + EOS rounded up to whole blocks, plus one all-EOS
+block), and the noisy stream starts at the block holding the answer's first token: that block's prompt
+tokens ride in it clean (never masked, never targets) beside its maskable answer tokens.
+
 Masking (both diffusion layouts): per group of n region positions (the whole region for bidirectional,
 each block for block_causal) draw t ~ U(0, 1], mask exactly k = ceil(t n) positions uniformly at random
 and weight their cross-entropy by n / k = 1/t. This is the discrete form of the MDLM/LLaDA 1/t-weighted
@@ -37,6 +44,7 @@ from torch import Tensor
 from dllm.data.synthetic import ProblemConfig, format_example, training_stream
 
 IGNORE = -100
+BLOCK_ANCHORS = ("answer", "absolute")  # where block_causal blocks start (Capabilities.block_anchor)
 
 
 def derive_seed(*parts: object) -> int:
@@ -65,31 +73,38 @@ class Batch:
     input_ids: Tensor  # [B, L]
     attention_mask: Tensor  # [B, L] 0/1 padding, or bool [B, L, L] (True = attend)
     position_ids: Tensor | None  # [B, L]
-    block_offset: Tensor | int  # [B] answer start per row (block_causal), else 0
+    block_offset: Tensor | int  # [B] answer start per row (block_causal, answer anchor), else 0
     targets: Tensor  # [B, L] token ids or IGNORE
     weights: Tensor  # [B, L] float32, 0 where IGNORE
     count: int  # answer-region tokens in the batch (the loss normaliser)
 
 
-def region_length(layout: str, answer_tokens: int, block_size: int | None, answer_length: int) -> int:
-    """How many region positions an answer of ``answer_tokens`` (EOS included) gets in ``layout``."""
+def region_length(layout: str, answer_tokens: int, block_size: int | None, answer_length: int,
+                  prompt_tokens: int = 0, anchor: str = "answer") -> int:
+    """How many region positions an answer of ``answer_tokens`` (EOS included) gets in ``layout``; with the
+    ``"absolute"`` block anchor the region ends at a block boundary counted from position 0 (the prompt's
+    ``prompt_tokens`` come first)."""
     if layout == "causal":
         return answer_tokens
     if layout == "bidirectional":
         return answer_length
+    if anchor == "absolute":
+        end = math.ceil((prompt_tokens + answer_tokens) / block_size) * block_size + block_size
+        return end - prompt_tokens
     return math.ceil(answer_tokens / block_size) * block_size + block_size
 
 
 def tokenize_problems(problems: list[dict[str, str]], tokenizer, layout: str, block_size: int | None,
-                      answer_length: int) -> list[Example]:
+                      answer_length: int, anchor: str = "answer") -> list[Example]:
     """Examples for ``problems``; prompt and answer are tokenized apart exactly as at inference."""
+    _check_anchor(anchor, layout)
     prompts = tokenizer([format_example(p["question"]) for p in problems], add_special_tokens=False)
     answers = tokenizer([" " + p["answer"] for p in problems], add_special_tokens=False)
     eos = tokenizer.eos_token_id
     examples = []
     for prompt, answer in zip(prompts["input_ids"], answers["input_ids"]):
         n = len(answer) + 1
-        size = region_length(layout, n, block_size, answer_length)
+        size = region_length(layout, n, block_size, answer_length, len(prompt), anchor)
         if size < n:
             raise ValueError(f"an answer of {n} tokens (EOS included) exceeds data.answer_length={answer_length}")
         examples.append(Example(tuple(prompt), tuple(answer) + (eos,) * (size - len(answer)), n))
@@ -109,14 +124,24 @@ def micro_batches(examples: list[Example], size: int) -> list[list[Example]]:
     return [ordered[i:i + size] for i in range(0, len(ordered), size)]
 
 
+def _check_anchor(anchor: str, layout: str) -> None:
+    if anchor not in BLOCK_ANCHORS:
+        raise ValueError(f"block anchor must be one of {list(BLOCK_ANCHORS)}, got {anchor!r}")
+    if anchor != "answer" and layout != "block_causal":
+        raise ValueError(f"block anchor {anchor!r} is for layout='block_causal', got layout={layout!r}")
+
+
 def build_batch(layout: str, examples: list[Example], *, pad_id: int, mask_id: int | None,
-                block_size: int | None, generator: torch.Generator, suffix_prob: float = 0.0) -> Batch:
-    """The objective's inputs for ``examples``: next-token, masked diffusion, or two-stream block diffusion."""
+                block_size: int | None, generator: torch.Generator, suffix_prob: float = 0.0,
+                anchor: str = "answer") -> Batch:
+    """The objective's inputs for ``examples``: next-token, masked diffusion, or two-stream block diffusion
+    (blocks anchored at the answer, or at position 0 with ``anchor="absolute"``)."""
+    _check_anchor(anchor, layout)
     if layout == "causal":
         return _causal_batch(examples, pad_id)
     if layout == "bidirectional":
         return _masked_batch(examples, pad_id, mask_id, generator, suffix_prob)
-    return _two_stream_batch(examples, pad_id, mask_id, block_size, generator, suffix_prob)
+    return _two_stream_batch(examples, pad_id, mask_id, block_size, generator, suffix_prob, anchor)
 
 
 def _right_pad(rows: list[list[int]], value: int) -> Tensor:
@@ -180,32 +205,37 @@ def _masked_batch(examples: list[Example], pad_id: int, mask_id: int, generator,
 
 
 def _two_stream_batch(examples: list[Example], pad_id: int, mask_id: int, block_size: int, generator,
-                      suffix_prob: float) -> Batch:
-    """BD3-LM-style input [noisy region ; prompt, clean region] with the attention of block decoding.
+                      suffix_prob: float, anchor: str = "answer") -> Batch:
+    """BD3-LM-style input [noisy span ; prompt, clean region] with the attention of block decoding.
 
     Noisy block b attends to itself and to clean blocks < b (the prompt's blocks included); clean tokens
     attend block-causally among clean tokens. The noisy copy reuses the clean positions, so its logits
-    equal those of the inference call on [prompt, clean blocks < b, noisy block b] (block_offset =
-    prompt length). Loss on the noisy stream's masked positions only.
+    equal those of the inference call on [prompt, clean blocks < b, noisy block b] (block_offset = prompt
+    length for ``anchor="answer"``, 0 for ``"absolute"``). The noisy span is the region, preceded for
+    ``"absolute"`` by the ``lead`` = prompt length mod block_size prompt tokens that share the answer's
+    first block (clean, never targets). Loss on the noisy stream's masked positions only.
     """
-    width = max(len(e.region) for e in examples)
-    regions = torch.zeros(len(examples), width, dtype=torch.bool)
-    for i, e in enumerate(examples):
-        regions[i, :len(e.region)] = True
+    leads = [len(e.prompt) % block_size if anchor == "absolute" else 0 for e in examples]
+    spans = [lead + len(e.region) for lead, e in zip(leads, examples)]
+    if any(span % block_size for span in spans):
+        raise ValueError(f"two-stream regions must fill whole blocks of {block_size} ({anchor!r} anchor)")
+    regions = torch.zeros(len(examples), max(spans), dtype=torch.bool)  # maskable positions of each span
+    for i, (lead, span) in enumerate(zip(leads, spans)):
+        regions[i, lead:span] = True
     masked, weights = mask_groups(regions, block_size, generator, suffix_prob)
     rows, positions, streams, target_rows, weight_rows = [], [], [], [], []
-    for i, e in enumerate(examples):
+    for i, (e, lead, s) in enumerate(zip(examples, leads, spans)):
         p, r = len(e.prompt), len(e.region)
-        noisy = [mask_id if m else tok for tok, m in zip(e.region, masked[i, :r].tolist())]
-        rows.append(noisy + list(e.prompt + e.region))
-        positions.append(list(range(p, p + r)) + list(range(p + r)))
-        streams.append([1] * r + [2] * (p + r))
-        target_rows.append([tok if m else IGNORE for tok, m in zip(e.region, masked[i, :r].tolist())]
-                           + [IGNORE] * (p + r))
-        weight_rows.append(weights[i, :r].tolist() + [0.0] * (p + r))
+        clean = e.prompt[p - lead:] + e.region  # the span's clean tokens
+        hidden = masked[i, :s].tolist()
+        rows.append([mask_id if m else tok for tok, m in zip(clean, hidden)] + list(e.prompt + e.region))
+        positions.append(list(range(p - lead, p + r)) + list(range(p + r)))
+        streams.append([1] * s + [2] * (p + r))
+        target_rows.append([tok if m else IGNORE for tok, m in zip(clean, hidden)] + [IGNORE] * (p + r))
+        weight_rows.append(weights[i, :s].tolist() + [0.0] * (p + r))
     input_ids, position_ids = _right_pad(rows, pad_id), _right_pad(positions, 0)
     stream = _right_pad(streams, 0)  # 0 padding, 1 noisy, 2 clean
-    offsets = torch.tensor([len(e.prompt) for e in examples])
+    offsets = torch.tensor([0 if anchor == "absolute" else len(e.prompt) for e in examples])
     mask = two_stream_mask(position_ids, stream, offsets, block_size)
     weights_full = torch.tensor([w + [0.0] * (input_ids.shape[1] - len(w)) for w in weight_rows])
     return Batch(input_ids, mask, position_ids, offsets, _right_pad(target_rows, IGNORE), weights_full,

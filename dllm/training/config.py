@@ -19,6 +19,7 @@ from typing import Any
 
 from dllm.data.synthetic import PRESETS
 from dllm.models.transformer import TransformerConfig
+from dllm.training.batches import BLOCK_ANCHORS
 
 FROM_TOKENIZER = ("vocab_size", "mask_token_id", "eos_token_id", "pad_token_id")
 PRECISIONS = ("bf16", "fp32")
@@ -64,6 +65,7 @@ class OptimConfig:
     checkpoint_every: int = 100
     init_from: str = ""  # a saved model folder whose weights start the run (e.g. a diffusion model from AR)
     suffix_mask_prob: float = 0.0  # diffusion: share of blocks masked as a suffix (left-to-right states)
+    block_anchor: str = "answer"  # block_causal: blocks start at the answer, or "absolute" (position 0, as SDAR)
 
     def __post_init__(self) -> None:
         _typed("train.seed", self.seed, int)
@@ -80,6 +82,7 @@ class OptimConfig:
         _in_range("train.beta2", self.beta2, 0.0, 1.0, high_open=True)
         _in_range("train.grad_clip", self.grad_clip, 0.0, math.inf)
         _one_of("train.precision", self.precision, PRECISIONS)
+        _one_of("train.block_anchor", self.block_anchor, BLOCK_ANCHORS)
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,9 @@ class RunConfig:
         if given:
             raise ValueError(f"model keys {given} come from the tokenizer; remove them from [model]")
         self.model_config(vocab_size=8, mask_token_id=2, eos_token_id=1, pad_token_id=0)  # validate now
+        if self.train.block_anchor != "answer" and self.layout != "block_causal":
+            raise ValueError(f"train.block_anchor={self.train.block_anchor!r} is for [model] layout='block_causal', "
+                             f"got layout={self.layout!r}")
 
     @property
     def layout(self) -> str:

@@ -2,12 +2,16 @@
 
 Prompts of equal token length are batched together (no padding needed). A completion is cut at the first
 EOS, decoded, and its last line ``#### N`` compared with the reference's. Block-causal models are called
-with ``block_offset`` = the prompt length, so their blocks start at the answer, as in training.
+with ``block_offset`` = the prompt length, so their blocks start at the answer, as in training, unless
+they declare ``Capabilities.block_anchor == "absolute"`` (SDAR: blocks from position 0), which
+``generate`` then handles itself.
 
 ``generate`` has no EOS stopping, so decoding runs in chunks of ``chunk`` tokens (the block size for
-block-causal models) and rows that have emitted EOS leave the batch. For causal and block-causal models
-this is the same computation as one call (neither looks past the current block), so greedy outputs are
-identical; a bidirectional model sees its whole canvas, so it is decoded in one call.
+block-causal models; for an absolute anchor the first chunk runs only to the end of the prompt's last
+model block, so every chunk is whole model blocks) and rows that have emitted EOS leave the batch. For
+causal and block-causal models this is the same computation as one call (neither looks past the current
+block), so greedy outputs are identical; a bidirectional model sees its whole canvas, so it is decoded in
+one call.
 """
 
 from __future__ import annotations
@@ -82,11 +86,15 @@ def generate_until_eos(model, prompt: torch.Tensor, sampler: str, max_new_tokens
     layout, block = model.config.layout, model.config.block_size
     whole = layout == "bidirectional" or capabilities(model).reveal_order_cache  # two-stream: its cache keeps the order
     chunk = max_new_tokens if whole else (block or 8)
-    target = AnswerAligned(model, prompt.shape[1]) if layout == "block_causal" and not whole else model
+    absolute = layout == "block_causal" and capabilities(model).block_anchor == "absolute"
+    aligned = layout == "block_causal" and not whole and not absolute
+    target = AnswerAligned(model, prompt.shape[1]) if aligned else model
+    first = chunk - prompt.shape[1] % chunk if absolute and not whole else chunk  # to the model block's end
     seq, active = prompt, torch.arange(prompt.shape[0])
     new: list[list[int]] = [[] for _ in range(prompt.shape[0])]
     while active.numel() and len(new[int(active[0])]) < max_new_tokens:
-        size = min(chunk, max_new_tokens - len(new[int(active[0])]))
+        done = len(new[int(active[0])])
+        size = min(first if done == 0 else chunk, max_new_tokens - done)
         out = dllm.generate(target, seq, sampler=sampler, max_new_tokens=size, **kwargs)
         for key in totals:
             totals[key] += getattr(out.stats, key)

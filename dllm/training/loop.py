@@ -70,9 +70,14 @@ def build_model(config: RunConfig, tokenizer) -> TransformerLM:
     if config.train.init_from:
         source = TransformerLM.from_pretrained(config.train.init_from, dtype=torch.float32)
         try:
-            model.load_state_dict(source.state_dict())
+            missing, unexpected = model.load_state_dict(source.state_dict(), strict=False)
         except RuntimeError as exc:
             raise ValueError(f"train.init_from={config.train.init_from!r} does not fit [model]: {exc}") from None
+        # a source without q/k norms may start a qk_norm model: those gains keep their init (1)
+        missing = [name for name in missing if not name.endswith((".q_norm.weight", ".k_norm.weight"))]
+        if missing or unexpected:
+            raise ValueError(f"train.init_from={config.train.init_from!r} does not fit [model]: missing {missing}, "
+                             f"unexpected {unexpected}")
     return model
 
 
@@ -118,21 +123,22 @@ def heldout_loss(model, config: RunConfig, tokenizer, rank: int = 0, world: int 
     """
     model_config = _unwrap(model).config
     problems = heldout_set()[:config.train.eval_problems][rank::world]
+    anchor = config.train.block_anchor
     examples = tokenize_problems(problems, tokenizer, model_config.layout, model_config.block_size,
-                                 config.data.answer_length)
+                                 config.data.answer_length, anchor)
     total, count = 0.0, 0
     for j, chunk in enumerate(micro_batches(examples, config.train.micro_batch_size)):
         generator = torch.Generator().manual_seed(derive_seed(config.train.seed, "eval", rank, j))
-        batch = _batch(model_config, chunk, tokenizer, generator, 0.0)  # the plain objective, always
+        batch = _batch(model_config, chunk, tokenizer, generator, 0.0, anchor)  # the plain objective, always
         total += float(batch_loss(model, batch, config.train.precision, torch.device(device)))
         count += batch.count
     return total, count
 
 
-def _batch(model_config, examples, tokenizer, generator, suffix_prob: float) -> Batch:
+def _batch(model_config, examples, tokenizer, generator, suffix_prob: float, anchor: str = "answer") -> Batch:
     return build_batch(model_config.layout, examples, pad_id=tokenizer.pad_token_id,
                        mask_id=model_config.mask_token_id, block_size=model_config.block_size,
-                       generator=generator, suffix_prob=suffix_prob)
+                       generator=generator, suffix_prob=suffix_prob, anchor=anchor)
 
 
 def _unwrap(model):
@@ -221,11 +227,12 @@ def _train_step(model, optimizer, accelerator, config: RunConfig, tokenizer, ste
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     problems = step_problems(opt.seed, step, opt.batch_size, rank, world, PRESETS[config.data.preset])
     examples = tokenize_problems(problems, tokenizer, model_config.layout, model_config.block_size,
-                                 config.data.answer_length)
+                                 config.data.answer_length, opt.block_anchor)
     chunks = micro_batches(examples, opt.micro_batch_size)
     generators = [torch.Generator().manual_seed(derive_seed(opt.seed, "noise", step, rank, j))
                   for j in range(len(chunks))]
-    batches = [_batch(model_config, chunk, tokenizer, g, opt.suffix_mask_prob) for chunk, g in zip(chunks, generators)]
+    batches = [_batch(model_config, chunk, tokenizer, g, opt.suffix_mask_prob, opt.block_anchor)
+               for chunk, g in zip(chunks, generators)]
     global_count = _reduce_sum(accelerator, float(sum(b.count for b in batches)))
     loss_sum, tokens = 0.0, 0
     model.train()

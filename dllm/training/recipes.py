@@ -20,6 +20,7 @@ RECIPES: dict[str, str] = {
     "dflash-head": "dllm.training.ar_heads:dflash_main",
     "repair-head": "dllm.training.ar_heads:repair_main",
     "distill-drafter": "dllm.training.ar_heads:drafter_main",  # the diffusion drafter's own weights, for ar_spec
+    "sdar": "dllm.training.sdar",  # the shipped SDAR-layout model: start point, hub export, evaluation
 }
 
 
