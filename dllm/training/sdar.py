@@ -140,18 +140,6 @@ def evaluate_folder(folder: str, sampler: str, limit: int, options: dict, max_ne
                             batch_size=batch_size, progress=sys.stderr.isatty(), **defaults)
 
 
-def _option(text: str) -> tuple[str, object]:
-    """``KEY=VALUE`` with the value read as an int, a float, none/true/false, or kept as text."""
-    key, sep, value = text.partition("=")
-    if not sep:
-        raise SystemExit(f"--option expects KEY=VALUE, got {text!r}")
-    for cast in (int, float):
-        try:
-            return key, cast(value)
-        except ValueError:
-            pass
-    return key, {"none": None, "true": True, "false": False}.get(value.lower(), value)
-
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="dllm train --recipe sdar", description=__doc__.split("\n\n")[0])
@@ -177,6 +165,8 @@ def main(argv: list[str]) -> int:
     elif args.command == "export":
         print(export_sdar(args.folder, args.output))
     else:
+        from dllm.train import _option  # the --option reader of `dllm train --eval`
+
         report = evaluate_folder(args.folder, args.sampler, args.limit, dict(map(_option, args.option)),
                                  args.max_new_tokens, args.batch_size)
         report["model"] = args.folder
