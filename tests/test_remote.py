@@ -74,7 +74,9 @@ def test_dream_uninitialised_rotary_table_is_refused_not_returned(dream):
     with _default_rope():
         loaded = transformers.PreTrainedModel.from_pretrained.__func__(model_class, dream).eval()
     with torch.no_grad():
-        assert (loaded(IDS).logits - reference_model(dream)(IDS).logits).abs().max() > 1e-3  # wrong, no error
+        diff = (loaded(IDS).logits - reference_model(dream)(IDS).logits).abs()
+    # wrong, no error: the table is uninitialised memory, so the logits are off or, as often, NaN
+    assert not torch.isfinite(diff).all() or diff.max() > 1e-3
     with pytest.raises(RemoteCodeError, match=r"rotary table model\.(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq "
                                               r"is not 1 / theta\^\(2i/d\).*silently wrong.*" + FIX):
         check_rotary(loaded, loaded.config, "dream-folder")
