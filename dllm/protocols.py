@@ -146,6 +146,8 @@ class Capabilities:
     reveal_order_cache: bool = False  # streams(): revealed tokens cached in reveal order (dllm/models/two_stream.py)
     one_pass_exact: bool = False  # one call's window conditionals are the sequential chain's (fef exact in one pass)
     logits_at: bool = False  # __call__/forward_cached(..., logits_at=[N, K]) -> logits [N, K, V] in the model's dtype
+    # forward_cached(..., rows=, segments=[N, n]): several copies packed in one input row each, sharing a prefix
+    packs_copies: bool = False
     # (sampler, option, value, when): the settings measured fastest on this model, used where the caller
     # passes none (``generate``, ``dllm generate/eval/bench``) and only while the options in ``when``
     # ((option, value) pairs) have those values; exact samplers' laws do not depend on them.

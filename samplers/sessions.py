@@ -214,6 +214,9 @@ class BlockCacheSession(_Session):
         # A model that can commit a shared prefix during a copies call lets the finished block ride along
         # with the next block's first call instead of costing a call of its own.
         self.folds = capabilities(caller.model).commits_prefix
+        # Copies of a row packed into one input (``Capabilities.packs_copies``): the cache is read once per row
+        # and the finished block riding along is fed once, not once per copy.
+        self.packs = self.folds and capabilities(caller.model).packs_copies
 
     def begin_block(self, block: int) -> None:
         self.block = block
@@ -246,11 +249,18 @@ class BlockCacheSession(_Session):
 
     def logits(self, tokens: torch.Tensor, which: torch.Tensor, hidden: bool = False, *, rows: torch.Tensor,
                at: torch.Tensor | None = None):
-        served, rows = len(rows), rows[which]
+        view_rows, served, rows = rows, len(rows), rows[which]
         start, _, stop = self._span()
         parts = self._split(tokens)
         if len(parts) > 1:  # the commit below would fold the block in from the first part's rows only
             self._fill(start)
+        elif tokens.shape[0] > served and self.packs and self.native_at:  # copies: one packed input per row
+            packed, kwargs, unpack = self._pack(tokens, which, view_rows, at)
+            self.caller.count(packed, served, self.cache)
+            out = self.caller.model.forward_cached(packed, self.cache, rows=view_rows, append=False, **kwargs,
+                                                   **_hidden(hidden))
+            self.cached_until = start
+            return unpack(check_logits(out, packed, kwargs["logits_at"]))
         pending = start - self.cached_until  # a finished block not yet in the cache: commit it now
         if pending:
             tokens = torch.cat([self.canvas.x[rows, self.cached_until : start], tokens], dim=1)
@@ -265,6 +275,46 @@ class BlockCacheSession(_Session):
             outs.append(_settle(out, tokens[part], _part(at, part), pending, self.native_at))
         self.cached_until = start
         return _join(outs)
+
+    def _pack(self, tokens: torch.Tensor, which: torch.Tensor, rows: torch.Tensor, at: torch.Tensor | None):
+        """Copies [N, n] of view rows ``rows`` [R] (N > R) as one model input per row -> (inputs [R, m], the
+        forward's keywords, a function from its answer to ``logits``'s). A row's input: the pending finished
+        block (segment 0, committed to the cache), then its copies (segments 1, 2, ...), then filler up to the
+        row with most copies; the model gives the same logits as for a row per copy (``forward``'s ``segments``)."""
+        start, _, stop = self._span()
+        served, (count, length) = len(rows), tokens.shape
+        device = tokens.device
+        per_row = torch.bincount(which, minlength=served)
+        most = count if served == 1 else int(per_row.max())  # (one synchronisation, on a batch only)
+        order = torch.argsort(which, stable=True)
+        rank = torch.empty_like(which)  # copy i is the rank[i]-th of its row
+        rank[order] = torch.arange(count, device=device) - (per_row.cumsum(0) - per_row)[which[order]]
+        pending = start - self.cached_until
+        column = pending + rank[:, None] * length + torch.arange(length, device=device)  # [N, n] in the row
+        packed = torch.full((served, pending + most * length), self.canvas.mask_token_id, dtype=tokens.dtype,
+                            device=device)
+        segments = torch.full_like(packed, -1)
+        packed[:, :pending] = self.canvas.x[rows, self.cached_until : start]
+        segments[:, :pending] = 0
+        packed[which[:, None], column] = tokens
+        segments[which[:, None], column] = (rank + 1)[:, None].expand(-1, length)
+        kwargs = self.caller.kwargs(rows, slice(0, stop))
+        if "attention_mask" in kwargs:  # each copy's keys are valid where its row's view is
+            mask = kwargs["attention_mask"]
+            kwargs["attention_mask"] = torch.cat([mask[:, :start], mask[:, start:].repeat(1, most)], dim=1)
+        want = torch.arange(length, device=device).expand(count, -1) if at is None else at  # [N, K]
+        width = want.shape[1]
+        asked = torch.zeros((served, most * width), dtype=torch.long, device=device)
+        asked[which[:, None], rank[:, None] * width + torch.arange(width, device=device)] = column.gather(1, want)
+        kwargs.update(segments=segments, logits_at=asked, **({"commit": pending} if pending else {}))
+
+        def unpack(out):  # copy i's answers: the rank[i]-th run of K positions of row which[i] -> [N, K, ...]
+            parts = out if isinstance(out, tuple) else (out,)
+            parts = tuple(part.reshape(served, most, width, -1)[which, rank] for part in parts)
+            parts = (parts[0].float(), *parts[1:])  # float32 logits, as the unpacked call gives
+            return parts if isinstance(out, tuple) else parts[0]
+
+        return packed, kwargs, unpack
 
     def structured(self, tokens, *args, rows):
         """As ``FullSession.structured``, the state read from the active block on against the cache."""

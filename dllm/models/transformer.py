@@ -709,7 +709,8 @@ class TransformerLM(nn.Module):
                             context_length=self.context_length,
                             block_size=self.config.block_size, cache=True, cache_exact=self.cache_exact,
                             cache_crop=True, cache_drop=True, commits_prefix=True, structured_verify=True,
-                            hidden_states=True, tree_attention=self.layout == "causal", logits_at=True)
+                            hidden_states=True, tree_attention=self.layout == "causal", logits_at=True,
+                            packs_copies=not self.config.shift_logits)
 
     @property
     def cache_exact(self) -> bool:
@@ -734,6 +735,7 @@ class TransformerLM(nn.Module):
         return_hidden: bool = False,
         tree_mask: Tensor | None = None,  # [N, n, n] bool: which new tokens each new token sees (as ``forward``)
         logits_at: Tensor | None = None,  # [N, K] input positions whose logits are wanted (as ``forward``)
+        segments: Tensor | None = None,  # [N, n] packed copies (as ``forward``)
     ) -> Tensor | tuple[Tensor, Tensor]:
         """The protocol's cached call (dllm.protocols): new tokens against the cached prefix.  # [N, n, V]
 
@@ -754,7 +756,7 @@ class TransformerLM(nn.Module):
         new_mask = None if attention_mask is None else attention_mask[:, attention_mask.shape[1] - input_ids.shape[1]:]
         out = self.forward(input_ids, attention_mask=new_mask, position_ids=position_ids, cache=cache,
                            use_cache=append or commit > 0, block_offset=block_offset, return_hidden=return_hidden,
-                           tree_mask=tree_mask, logits_at=logits_at)
+                           tree_mask=tree_mask, logits_at=logits_at, segments=segments)
         if commit and rows is not None:
             _commit_rows(main, cache, rows, commit)
         return out
@@ -770,6 +772,7 @@ class TransformerLM(nn.Module):
         return_hidden: bool = False,
         tree_mask: Tensor | None = None,  # [B, L, L] bool
         logits_at: Tensor | None = None,  # [B, K] long
+        segments: Tensor | None = None,  # [B, L] long
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Logits at every input position, attending to ``cache`` (if given) then the inputs.  # [B, L, V]
 
@@ -788,11 +791,24 @@ class TransformerLM(nn.Module):
         logits_at: input positions [B, K] (indices into L) whose logits are wanted: the output layer runs on
         those positions' features only and the logits [B, K, V] stay in the model's dtype (at a real vocabulary
         the [B, L, V] float32 tensor of every position is what fills memory; samplers read a few positions).
+        segments: several inputs packed in one row (``Capabilities.packs_copies``): segment 0 is a prefix that
+        every segment sees (it sees only itself), segment s > 0 sees segment 0 and itself, -1 marks filler; each
+        segment s > 0 is placed right after segment 0, so the row's logits equal separate rows [prefix, segment s]
+        (fef's verification copies, which would otherwise each read the cache and repeat the prefix).
         """
         if use_cache and cache is None:
             raise ValueError("use_cache=True needs a cache to append to: pass cache=model.new_cache()")
         query_valid, explicit = _query_mask(attention_mask, input_ids)
         bound = None  # a host bound of the positions: derived ones never pass cached keys + inputs
+        if segments is not None:
+            if explicit is not None or tree_mask is not None or position_ids is not None:
+                raise ValueError("segments take a 2-D padding attention_mask and no tree_mask or position_ids")
+            if self.config.shift_logits:
+                raise ValueError("segments cannot pack a model with shifted logits (a state would read another "
+                                 "segment's)")
+            query_valid = query_valid & (segments >= 0)
+            position_ids, tree_mask = self._packed_layout(segments, query_valid, cache, block_offset)
+            bound = (cache.length if cache is not None else 0) + input_ids.shape[1]
         if position_ids is None:
             start = cache.next_position()[:, None] if cache is not None and cache.length else 0
             position_ids = start + positions_from_mask(query_valid)
@@ -811,6 +827,20 @@ class TransformerLM(nn.Module):
         if logits_at is not None:
             h = gather_positions(h, logits_at)
         return self.head(h, hidden=return_hidden, full_precision=logits_at is None)
+
+    def _packed_layout(self, segments: Tensor, valid: Tensor, cache: KVCache | None,
+                       block_offset: int | Tensor) -> tuple[Tensor, Tensor]:
+        """Positions [B, L] and the mask among inputs [B, L, L] of packed ``segments`` (see ``forward``): a token
+        of segment s > 0 sits after segment 0's valid tokens and the valid tokens of s before it."""
+        start = cache.next_position()[:, None] if cache is not None and cache.length else 0
+        same = segments[:, :, None] == segments[:, None, :]  # [B, Lq, Lk]
+        earlier = torch.ones_like(same[0]).tril(diagonal=-1)  # [Lq, Lk]: key before query
+        before = (same & earlier & valid[:, None, :]).sum(dim=-1)  # valid tokens of the query's segment before it
+        shared = (segments == 0) & valid
+        prefix = shared.sum(dim=1, keepdim=True)
+        position_ids = start + before + torch.where(segments > 0, prefix, 0)
+        mask = layout_mask(self.layout, position_ids, position_ids, self.config.block_size, block_offset)
+        return position_ids, mask & (same | shared[:, None, :])
 
     def _hidden(self, input_ids, position_ids, query_valid, explicit, cache, use_cache, block_offset,
                 tree_mask=None, bound: int | None = None) -> Tensor:
