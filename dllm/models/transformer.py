@@ -337,8 +337,15 @@ class _Attention(nn.Module):
         past: tuple[Tensor, Tensor] | None,  # cached ([B, H_kv, P, D], [B, H_kv, P, D])
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Attention output [B, L, dim] and this call's keys/values [B, H_kv, L, D] for a cache."""
+        out, new_k, new_v = self.attend(self.wqkv(x), cos, sin, mask, past)
+        return self.wo(out), new_k, new_v
+
+    def attend(self, qkv: Tensor, cos: Tensor, sin: Tensor, mask: Tensor,
+               past: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor, Tensor]:
+        """``forward`` between the two projections: the heads' outputs [B, L, H * D] of the projected q/k/v
+        [B, L, (H + 2 H_kv) * D], and this call's keys/values (``forward_many`` projects many calls at once)."""
         kv_dim = self.n_kv_heads * self.head_dim
-        q, k, v = self.wqkv(x).split([self.n_heads * self.head_dim, kv_dim, kv_dim], dim=-1)
+        q, k, v = qkv.split([self.n_heads * self.head_dim, kv_dim, kv_dim], dim=-1)
         q = rearrange(q, "b l (h d) -> b h l d", d=self.head_dim)
         k = rearrange(k, "b l (h d) -> b h l d", d=self.head_dim)
         if self.qk_norm:  # per head, before the rotation (as Qwen3's attention)
@@ -353,7 +360,7 @@ class _Attention(nn.Module):
             k = repeat(k, "b h l d -> b (h g) l d", g=groups)
             v = repeat(v, "b h l d -> b (h g) l d", g=groups)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.wo(rearrange(out, "b h l d -> b l (h d)")), new_k, new_v
+        return rearrange(out, "b h l d -> b l (h d)"), new_k, new_v
 
 
 class _SwiGLU(nn.Module):
@@ -644,6 +651,24 @@ def _commit_rows(main: KVCache, used: KVCache, rows: Tensor, commit: int) -> Non
     main.append(kv, positions, valid, None if used.hidden is None else used.hidden[pick, span])
 
 
+def _run_stages(stages, layers):
+    """A forward written as stages (``TransformerLM._stages``) run alone: its layers by ``layers(*arguments)``."""
+    return _finish_stages([stages], [layers(*next(stages))])[0]
+
+
+def _finish_stages(stages: list, layer_answers: list) -> list:
+    """Send each forward's stages its layers' answer -> the forwards' answers."""
+    outs = []
+    for stage, answer in zip(stages, layer_answers, strict=True):
+        try:
+            stage.send(answer)
+        except StopIteration as done:
+            outs.append(done.value)
+        else:
+            raise RuntimeError("a forward's stages yield once")
+    return outs
+
+
 class TransformerLM(nn.Module):
     """Tokens in, logits out: ``model(input_ids [B, L]) -> logits [B, L, V]`` (float32).
 
@@ -748,15 +773,26 @@ class TransformerLM(nn.Module):
         block-causal attention); their keys/values, taken from each row's first input, are appended to
         ``cache`` after the call. This folds the cache fill into a verification call.
         """
+        return _run_stages(self._cached_stages(input_ids, cache, rows=rows, append=append,
+                                               attention_mask=attention_mask, block_offset=block_offset,
+                                               position_ids=position_ids, commit=commit, return_hidden=return_hidden,
+                                               tree_mask=tree_mask, logits_at=logits_at, segments=segments),
+                           self.layer_states)
+
+    def _cached_stages(self, input_ids, cache, *, rows=None, append=True, attention_mask=None, block_offset=0,
+                       position_ids=None, commit=0, return_hidden=False, tree_mask=None, logits_at=None,
+                       segments=None):
+        """``forward_cached`` as stages (``_stages``)."""
         main = cache
         if rows is not None:
             if append:
                 raise ValueError("forward_cached: rows= reads shared cache rows and cannot append")
             cache = cache.select(rows)
         new_mask = None if attention_mask is None else attention_mask[:, attention_mask.shape[1] - input_ids.shape[1]:]
-        out = self.forward(input_ids, attention_mask=new_mask, position_ids=position_ids, cache=cache,
-                           use_cache=append or commit > 0, block_offset=block_offset, return_hidden=return_hidden,
-                           tree_mask=tree_mask, logits_at=logits_at, segments=segments)
+        out = yield from self._stages(input_ids, attention_mask=new_mask, position_ids=position_ids, cache=cache,
+                                      use_cache=append or commit > 0, block_offset=block_offset,
+                                      return_hidden=return_hidden, tree_mask=tree_mask, logits_at=logits_at,
+                                      segments=segments)
         if commit and rows is not None:
             _commit_rows(main, cache, rows, commit)
         return out
@@ -796,6 +832,23 @@ class TransformerLM(nn.Module):
         segment s > 0 is placed right after segment 0, so the row's logits equal separate rows [prefix, segment s]
         (fef's verification copies, which would otherwise each read the cache and repeat the prefix).
         """
+        return _run_stages(self._stages(input_ids, attention_mask, position_ids, cache, use_cache, block_offset,
+                                        return_hidden, tree_mask, logits_at, segments), self.layer_states)
+
+    def forward_many(self, calls: list[tuple[str, tuple, dict]]) -> list:
+        """Several independent calls in one pass -> their answers, in order. A call is ``("forward", args,
+        kwargs)`` or ``("forward_cached", args, kwargs)``, as the method would take them (``dllm serve``'s engine
+        batches its lanes' calls so). The layers' matmuls run once over every call's tokens, attention per call
+        (``layer_states_many``); each answer is its call's alone up to the rounding of a matmul over more rows."""
+        stages = [self._cached_stages(*args, **kwargs) if name == "forward_cached" else self._stages(*args, **kwargs)
+                  for name, args, kwargs in calls]
+        return _finish_stages(stages, self.layer_states_many([next(stage) for stage in stages]))
+
+    def _stages(self, input_ids, attention_mask=None, position_ids=None, cache=None, use_cache=False, block_offset=0,
+                return_hidden=False, tree_mask=None, logits_at=None, segments=None):
+        """``forward`` as a generator: it yields the layers' arguments (input_ids, position_ids, mask, cache, keep,
+        bound), is sent their ``layer_states`` answer, and returns the forward's answer; so ``forward_many`` can
+        run the layers of several calls together."""
         if use_cache and cache is None:
             raise ValueError("use_cache=True needs a cache to append to: pass cache=model.new_cache()")
         query_valid, explicit = _query_mask(attention_mask, input_ids)
@@ -820,8 +873,10 @@ class TransformerLM(nn.Module):
                 shape = [*input_ids.shape, input_ids.shape[1]]
                 raise ValueError(f"tree_mask must be a bool tensor [B, L, L] = {shape}, "
                                  f"got {tree_mask.dtype} {list(tree_mask.shape)}")
-        h = self._hidden(input_ids, position_ids, query_valid, explicit, cache, use_cache, block_offset, tree_mask,
-                         bound)
+        mask = self._attention_mask(position_ids, query_valid, explicit, cache, block_offset, tree_mask)
+        h, new_kv = yield input_ids, position_ids, mask, cache, use_cache, bound
+        if use_cache:
+            cache.append(new_kv, position_ids, query_valid, h if self.config.shift_logits else None)
         if self.config.shift_logits:
             h = _previous_states(h, position_ids, query_valid, cache)
         if logits_at is not None:
@@ -959,6 +1014,33 @@ class TransformerLM(nn.Module):
             if keep:
                 new_kv.append((k, v))
         return h, new_kv
+
+    def layer_states_many(self, requests: list[tuple]) -> list[tuple[Tensor, list[tuple[Tensor, Tensor]]]]:
+        """``layer_states`` of several calls at once -> each call's (states, new keys/values). A request is
+        ``(input_ids, position_ids, mask, cache, keep, bound)``. Every matmul (projections, MLP or experts, norms)
+        runs once over all the calls' tokens; attention runs per call, against its own cache and mask."""
+        rotary, sizes, shapes = [], [], []
+        for input_ids, position_ids, _, _, _, bound in requests:
+            self._check_positions(position_ids, bound)
+            rotary.append(self.rotary(position_ids))
+            shapes.append(input_ids.shape)
+            sizes.append(input_ids.numel())
+        h = torch.cat([self.tok_embeddings(request[0]).flatten(0, 1) for request in requests])[None]  # [1, T, dim]
+        new_kv: list[list] = [[] for _ in requests]
+        for index, layer in enumerate(self.layers):
+            qkv = layer.attn.wqkv(layer.attn_norm(h))[0].split(sizes)
+            heads = []
+            for n, (part, (_, _, mask, cache, keep, _), (cos, sin), shape) in enumerate(
+                    zip(qkv, requests, rotary, shapes, strict=True)):
+                past = cache.layer(index) if cache is not None and cache.length else None
+                out, k, v = layer.attn.attend(part.view(*shape, -1), cos, sin, mask, past)
+                heads.append(out.flatten(0, 1))
+                if keep:
+                    new_kv[n].append((k, v))
+            h = h + layer.attn.wo(torch.cat(heads)[None])
+            h = h + layer.mlp(layer.mlp_norm(h))
+        states = h[0].split(sizes)
+        return [(state.view(*shape, -1), kv) for state, shape, kv in zip(states, shapes, new_kv, strict=True)]
 
     def head(self, h: Tensor, hidden: bool = False, full_precision: bool = True) -> Tensor | tuple[Tensor, Tensor]:
         """Logits [B, L, V] of last-layer states ``h`` (final norm, output projection, the mask token forbidden
