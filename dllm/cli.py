@@ -28,7 +28,7 @@ _DEFAULT_PROMPT = "Tom has 3 bags with 4 apples each. How many apples does Tom h
 USAGE = 2  # bad input (a flag's value, a missing folder), as argparse and `dllm eval` exit
 INTERRUPTED = 130  # Ctrl-C, as a shell reports SIGINT
 _COMMANDS = {"eval": "dllm.eval.runner", "bench": "dllm.eval.study.bench", "train": "dllm.train",
-             "plan": "dllm.eval.study.planner", "study": "dllm.eval.study.real_shape"}
+             "plan": "dllm.eval.study.planner", "study": "dllm.eval.study.real_shape", "serve": "dllm.serve.cli"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,6 +49,7 @@ def _dispatch(argv: list[str]) -> int:
     for name, text in [("eval", "evaluate on GSM8K, MATH, HumanEval, MBPP, synthetic"),
                        ("bench", "AR vs diffusion speed study"), ("train", "train the small default models"),
                        ("plan", "the peak memory a model, batch, length and sampler will need (before renting a card)"),
+                       ("serve", "an OpenAI-compatible server with continuous batching (pip install -e '.[serve]')"),
                        ("study", "real-shape study: random weights at LLaDA-8B/Dream-7B shapes, memory and time "
                                  "per round (dllm study real-shape)")]:
         sub.add_parser(name, help=text)

@@ -21,3 +21,16 @@ def apply_chat_template(tokenizer, prompt: str) -> str:
         raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
     messages = [{"role": "user", "content": prompt}]
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+# The shipped models' training format ("Question: ...\nAnswer: ...", dllm.data.synthetic.format_example) as a chat
+# template, so that chat front ends (dllm serve's /v1/chat/completions) can reach them: each user turn is a
+# question, each assistant turn its answer; a system message goes first as a line of its own.
+TRAINING_FORMAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] in ('system', 'developer') -%}{{ message['content'] }}\n"
+    "{%- elif message['role'] == 'user' -%}Question: {{ message['content'] }}\nAnswer:"
+    "{%- else -%} {{ message['content'] }}\n"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+)

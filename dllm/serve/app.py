@@ -1,0 +1,246 @@
+"""The HTTP side of ``dllm serve``: OpenAI's routes on FastAPI, over the lanes of ``dllm.serve.engine``.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or server-sent events with ``stream``),
+``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text). A request is validated whole
+(``dllm.serve.requests``: 400 naming the field) before any lane starts; a full queue answers 429 with Retry-After;
+a lane that raises answers 500 and the others go on; a client that goes away cancels its lanes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from .choice import ChoiceRun, Outcome
+from .engine import Cancelled, Engine, Lane, NotAccepting, QueueFull
+from .metrics import Metrics
+from .requests import BadRequest, Job, ServerSettings, parse
+
+RETRY_AFTER_S = 1  # what a 429 asks the client to wait
+
+
+def create_app(settings: ServerSettings, max_batch_size: int = 16, max_queue: int = 64, grace: float = 10.0) -> FastAPI:
+    """The server's app: the engine starts with the app and stops with it (``grace`` seconds for running lanes)."""
+    metrics = Metrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        app.state.engine = Engine(settings.model, max_batch_size=max_batch_size, max_queue=max_queue)
+        metrics.watch(app.state.engine)
+        yield
+        await asyncio.to_thread(app.state.engine.stop, grace)
+
+    app = FastAPI(title="dllm serve", lifespan=lifespan)
+    app.state.settings, app.state.metrics = settings, metrics
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": settings.model_name}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "created": 0,
+                                            "owned_by": "dllm"}]}
+
+    @app.get("/metrics")
+    async def prometheus():
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _serve(request, "completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _serve(request, "chat.completions")
+
+    async def _serve(request: Request, endpoint: str):
+        started = time.monotonic()
+        try:
+            body = await request.json()
+        except ValueError:
+            return _error(metrics, endpoint, 400, "the request body must be JSON")
+        try:
+            job = parse(body, endpoint, settings)
+        except BadRequest as error:
+            return _error(metrics, endpoint, 400, str(error))
+        call = _Request(job, settings, asyncio.get_running_loop())
+        try:
+            app.state.engine.submit(call.lanes)
+        except QueueFull as error:
+            return _error(metrics, endpoint, 429, f"the server is busy: {error}; retry later",
+                          headers={"Retry-After": str(RETRY_AFTER_S)}, kind="rate_limit_exceeded")
+        except NotAccepting as error:
+            return _error(metrics, endpoint, 503, str(error), kind="server_error")
+        if job.stream:
+            return StreamingResponse(call.events(metrics, started), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return await call.whole(request, metrics, started)
+
+    return app
+
+
+def _error(metrics: Metrics, endpoint: str, status: int, message: str, headers: dict | None = None,
+           kind: str = "invalid_request_error") -> JSONResponse:
+    metrics.requests.labels(endpoint, str(status)).inc()
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}},
+                        status_code=status, headers=headers)
+
+
+class _Request:
+    """One request's lanes and what they send back, bridged from their threads to the event loop."""
+
+    def __init__(self, job: Job, settings: ServerSettings, loop: asyncio.AbstractEventLoop):
+        self.job, self.settings, self.loop = job, settings, loop
+        self.id = ("cmpl-" if job.endpoint == "completions" else "chatcmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+        self.queue: asyncio.Queue = asyncio.Queue()
+        model = settings.model
+        self.runs = [ChoiceRun(job, index, ids, seed, model.tokenizer, getattr(model, "mask_token_id", None),
+                               self._emit) for index, ids, seed in job.choices()]
+        self.lanes = [Lane(run.work, self._done(run.index)) for run in self.runs]
+
+    def _emit(self, kind: str, index: int, payload) -> None:  # from a lane's thread
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, index, payload))
+
+    def _done(self, index: int):
+        def told(result, error) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is gone (server stopped): nobody to tell
+                self.loop.call_soon_threadsafe(self.queue.put_nowait, ("done", index, (result, error)))
+        return told
+
+    def cancel(self) -> None:
+        for lane in self.lanes:
+            lane.cancel()
+
+    # ------------------------------------------------------------------------------------------ whole answers
+
+    async def whole(self, request: Request, metrics: Metrics, started: float):
+        outcomes: dict[int, Outcome] = {}
+        watcher = asyncio.create_task(self._watch(request))
+        try:
+            while len(outcomes) < len(self.lanes):
+                kind, index, payload = await self.queue.get()
+                if kind != "done":
+                    continue
+                result, error = payload
+                if isinstance(error, Cancelled):
+                    metrics.requests.labels(self.job.endpoint, "499").inc()
+                    return Response(status_code=499)  # nobody is listening; a status for the logs
+                if error is not None:
+                    self.cancel()
+                    return _error(metrics, self.job.endpoint, 500, f"decoding failed: {type(error).__name__}: "
+                                  f"{error}", kind="server_error")
+                outcomes[index] = result
+        finally:
+            watcher.cancel()
+        metrics.finished(self.job, outcomes.values(), started, first_token=None)
+        return JSONResponse(self._body(outcomes))
+
+    async def _watch(self, request: Request) -> None:
+        """Cancel the lanes when the client goes away."""
+        while True:
+            if await request.is_disconnected():
+                self.cancel()
+                return
+            await asyncio.sleep(0.05)
+
+    def _body(self, outcomes: dict[int, Outcome]) -> dict:
+        job = self.job
+        choices = []
+        for index in sorted(outcomes):
+            outcome = outcomes[index]
+            if job.endpoint == "completions":
+                choice = {"index": index, "text": outcome.text, "logprobs": None}
+            else:
+                choice = {"index": index, "message": {"role": "assistant", "content": outcome.text}}
+            choices.append({**choice, "finish_reason": outcome.finish_reason})
+        return {"id": self.id, "object": "text_completion" if job.endpoint == "completions" else "chat.completion",
+                "created": self.created, "model": self.settings.model_name, "choices": choices,
+                "usage": self._usage(outcomes.values()), "dllm": self._extension(outcomes)}
+
+    def _usage(self, outcomes) -> dict:
+        prompt = sum(len(ids) for ids in self.job.prompts)
+        completion = sum(outcome.completion_tokens for outcome in outcomes)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def _extension(self, outcomes: dict[int, Outcome]) -> dict:
+        """dllm's statistics beside OpenAI's fields: sampler, options, exactness, and per choice its seed, token
+        ids, model calls, tokens per call and acceptance."""
+        job = self.job
+        return {"sampler": job.sampler, "options": {k: v for k, v in job.options.items() if _plain(v)},
+                "temperature": job.temperature, "max_tokens": job.max_tokens, "seed": job.seed,
+                "exact": all(outcome.exact for outcome in outcomes.values()),
+                "choices": [{"index": index, "seed": outcomes[index].seed, "token_ids": outcomes[index].token_ids,
+                             **outcomes[index].stats}
+                            for index in sorted(outcomes)]}
+
+    # ------------------------------------------------------------------------------------------ streams
+
+    async def events(self, metrics: Metrics, started: float):
+        """Server-sent events in OpenAI's chunk format; a client that goes away (the generator is closed)
+        cancels the lanes."""
+        job, outcomes, first, ended = self.job, {}, None, False
+        try:
+            if job.endpoint == "chat.completions":
+                for index in range(len(self.lanes)):
+                    yield self._chunk(index, {"role": "assistant", "content": ""})
+            while len(outcomes) < len(self.lanes):
+                kind, index, payload = await self.queue.get()
+                if kind == "text":
+                    first = first or time.monotonic()
+                    yield self._chunk(index, payload)
+                elif kind == "canvas":
+                    yield _sse({"id": self.id, "object": "dllm.canvas", "created": self.created,
+                                "model": self.settings.model_name, "choices": [{"index": index, "canvas": payload}]})
+                else:
+                    result, error = payload
+                    if error is not None:
+                        self.cancel()
+                        status = "499" if isinstance(error, Cancelled) else "500"
+                        metrics.requests.labels(job.endpoint, status).inc()
+                        ended = True
+                        yield _sse({"error": {"message": f"decoding failed: {type(error).__name__}: {error}",
+                                              "type": "server_error", "param": None, "code": None}})
+                        return
+                    outcomes[index] = result
+                    yield self._chunk(index, None, result.finish_reason)
+            final = {"id": self.id, "object": self._object(), "created": self.created,
+                     "model": self.settings.model_name, "choices": [], "dllm": self._extension(outcomes)}
+            if job.include_usage:
+                final["usage"] = self._usage(outcomes.values())
+            yield _sse(final)
+            yield "data: [DONE]\n\n"
+            metrics.finished(job, outcomes.values(), started, first_token=first)
+        finally:
+            if len(outcomes) < len(self.lanes) and not ended:  # the client went away before the end
+                self.cancel()
+                metrics.requests.labels(job.endpoint, "499").inc()
+
+    def _object(self) -> str:
+        return "text_completion" if self.job.endpoint == "completions" else "chat.completion.chunk"
+
+    def _chunk(self, index: int, text, finish_reason: str | None = None) -> str:
+        if self.job.endpoint == "completions":
+            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        else:
+            delta = text if isinstance(text, dict) else ({} if text is None else {"content": text})
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return _sse({"id": self.id, "object": self._object(), "created": self.created,
+                     "model": self.settings.model_name, "choices": [choice]})
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def _plain(value) -> bool:
+    return value is None or isinstance(value, bool | int | float | str)

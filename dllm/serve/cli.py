@@ -1,0 +1,151 @@
+"""``dllm serve``: the OpenAI-compatible server (``dllm.serve.app``) under uvicorn.
+
+SIGTERM (or Ctrl-C) stops taking requests, lets those in flight finish for ``--grace`` seconds, cancels the rest
+and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from dllm.defaults import DTYPE, DTYPES
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dllm serve", description="An OpenAI-compatible server (/v1/completions, "
+                                "/v1/chat/completions, /v1/models, /health, /metrics) with continuous batching.")
+    p.add_argument("--model", default="diffusion", help="a shipped model's name, a folder or a hub id (default: "
+                   "the shipped diffusion model)")
+    p.add_argument("--kind", default="auto", help="as dllm generate --kind")
+    p.add_argument("--served-model-name", help="the name /v1/models shows and responses carry (default: --model)")
+    p.add_argument("--sampler", help="the default sampler (default: fef for a diffusion model, ar for a causal one); "
+                   "a request may name another")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a default option of --sampler (repeatable); requests may override per request")
+    p.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1, this machine "
+                   "only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-batch-size", type=int, default=16, help="lanes (choices) decoding at once (default 16)")
+    p.add_argument("--max-queue", type=int, default=64, help="lanes waiting beyond those; past it requests get 429 "
+                   "(default 64)")
+    p.add_argument("--max-n", type=int, default=16, help="the largest n a request may ask (default 16)")
+    p.add_argument("--default-max-tokens", type=int, default=64, help="max_tokens of a request that gives none "
+                   "(default 64)")
+    p.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template (default: the tokenizer's; the "
+                   "shipped models: their training format)")
+    p.add_argument("--dtype", default=DTYPE, choices=DTYPES)
+    p.add_argument("--device", default=None)
+    p.add_argument("--grace", type=float, default=10.0, help="seconds requests in flight get to finish at SIGTERM "
+                   "(default 10)")
+    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    return p
+
+
+def build(args: argparse.Namespace):
+    """The app for parsed arguments (loads the model); what ``main`` serves and tests start in-process."""
+    from dllm.cli import UserError, _load, check_device
+    from dllm.models.chat import TRAINING_FORMAT_TEMPLATE
+    from dllm.models.loading import is_shipped
+    from dllm.protocols import is_causal_model
+    from dllm.samplers import SAMPLERS, parse_options
+
+    from .app import create_app
+    from .requests import BadRequest, ServerSettings, _sampler
+
+    for flag, value, low in (("--port", args.port, 0), ("--max-batch-size", args.max_batch_size, 1),
+                             ("--max-queue", args.max_queue, 0), ("--max-n", args.max_n, 1),
+                             ("--default-max-tokens", args.default_max_tokens, 1)):
+        if value < low or (flag == "--port" and value > 65535):
+            raise UserError(f"{flag} must be {'in [0, 65535]' if flag == '--port' else f'>= {low}'}, got {value}")
+    if args.grace < 0:
+        raise UserError(f"--grace must be >= 0 seconds, got {args.grace}")
+    if args.sampler is not None and args.sampler not in SAMPLERS:
+        raise UserError(f"--sampler must be one of {sorted(SAMPLERS)}, got {args.sampler!r}")
+    template = None
+    if args.chat_template is not None:
+        path = Path(args.chat_template)
+        if not path.is_file():
+            raise UserError(f"--chat-template {args.chat_template}: no such file")
+        template = path.read_text()
+    check_device(args.device)
+    model = _load(args.model, "--model", args.kind, args.device, args.dtype)
+    if getattr(model, "tokenizer", None) is None:
+        raise UserError(f"--model {args.model}: the checkpoint has no tokenizer, and the server takes text")
+    sampler = args.sampler or ("ar" if is_causal_model(model) else "fef")
+    try:
+        _sampler(sampler, model)
+    except BadRequest as error:
+        raise UserError(f"--{error}") from None
+    options = parse_options(sampler, args.option)
+    SAMPLERS[sampler].configure(options, model=model, max_new_tokens=args.default_max_tokens)
+    if template is None and not getattr(model.tokenizer, "chat_template", None) and is_shipped(args.model):
+        template = TRAINING_FORMAT_TEMPLATE
+    settings = ServerSettings(model, args.served_model_name or args.model, sampler, options,
+                              args.default_max_tokens, args.max_n, template)
+    return create_app(settings, max_batch_size=args.max_batch_size, max_queue=args.max_queue, grace=args.grace)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dllm.cli import run_guarded
+
+    return run_guarded("serve", lambda: _serve(parser().parse_args(argv)))
+
+
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+    except ImportError:
+        from dllm.cli import UserError
+
+        raise UserError('dllm serve needs its extra: pip install -e ".[serve]"') from None
+    app = build(args)
+    settings = app.state.settings
+    print(f"dllm serve: {settings.model_name} ({type(settings.model).__name__}), sampler {settings.sampler}, on "
+          f"http://{args.host}:{args.port} (max batch {args.max_batch_size}, queue {args.max_queue})", flush=True)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.grace or None)
+    server = _Server(config)
+    server.run()  # SIGTERM / SIGINT: graceful shutdown, then the app's lifespan stops the engine
+    if server.stopped_by:
+        print(f"dllm serve: stopped by {server.stopped_by}", file=sys.stderr)
+    return 0
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, except that a SIGTERM or SIGINT that stopped it gracefully is not raised again once
+        it has stopped (uvicorn re-raises it, so the process would die of the signal): a graceful stop exits 0."""
+
+        stopped_by: str | None = None
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            handled = (signal.SIGINT, signal.SIGTERM)
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
+                if self._captured_signals:
+                    self.stopped_by = signal.Signals(self._captured_signals[0]).name
+
+    return Server
+
+
+def _Server(config):  # noqa: N802 - reads as the class it makes (uvicorn is imported only when serving)
+    return _server_class()(config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,281 @@
+"""OpenAI request bodies -> validated decoding jobs, before anything reaches the engine.
+
+Every check raises ``BadRequest`` with one line naming the field and what is allowed (the server answers 400).
+The body is read as a plain JSON object rather than a pydantic model: dllm's sampler options sit beside OpenAI's
+fields (``{"prompt": ..., "sampler": "fef", "window": 8}``), so the allowed names depend on the sampler, and the
+messages follow the rest of dllm's (one line, the field, what is allowed).
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+from dllm.numerics import SEED_LIMIT
+from dllm.protocols import context_length, is_causal_model, max_prompt_length
+from dllm.samplers import SAMPLERS
+from dllm.samplers.registry import typed_options
+
+MAX_STOP_STRINGS = 4  # OpenAI's limit
+# OpenAI fields dllm does not implement: refused when set to anything but their neutral value.
+UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+               "suffix": (None, ""), "frequency_penalty": (None, 0), "presence_penalty": (None, 0),
+               "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"),
+               "response_format": (None, {"type": "text"}), "repetition_penalty": (None, 1)}
+IGNORED = ("model", "user", "metadata", "store", "service_tier", "parallel_tool_calls")  # read, not acted on
+# Options a request may not set: they name files or objects the server loads at start (``--option``).
+SERVER_ONLY = ("drafter", "draft_head", "callback", "call_tokens")
+
+
+class BadRequest(ValueError):
+    """A request the server refuses with 400; the message names the field."""
+
+
+@dataclass
+class ServerSettings:
+    """What the server was started with: the model and its defaults."""
+
+    model: Any
+    model_name: str
+    sampler: str
+    options: dict = field(default_factory=dict)  # --option defaults (typed), for the server's sampler
+    default_max_tokens: int = 64
+    max_n: int = 16
+    chat_template: str | None = None  # a Jinja template; None: the tokenizer's own
+
+
+@dataclass
+class Job:
+    """One request, validated: what every lane of it decodes."""
+
+    endpoint: str  # "completions" or "chat.completions"
+    prompts: list[list[int]]  # token ids of each prompt (chat: one)
+    max_tokens: int
+    temperature: float
+    sampler: str
+    options: dict
+    stop: list[str]
+    stop_ids: tuple[int, ...] | None
+    seed: int
+    n: int
+    stream: bool
+    include_usage: bool
+    stream_canvas: bool
+    seed_given: bool
+
+    def choices(self) -> list[tuple[int, list[int], int]]:
+        """(choice index, prompt ids, seed) of every lane: prompt i's choice j is index i * n + j, seeded seed + j
+        (each choice is the offline run of its prompt and seed)."""
+        return [(i * self.n + j, ids, (self.seed + j) % SEED_LIMIT) for i, ids in enumerate(self.prompts)
+                for j in range(self.n)]
+
+
+def parse(body: Any, endpoint: str, settings: ServerSettings) -> Job:
+    """A request body -> its Job; ``BadRequest`` on the first problem found."""
+    if not isinstance(body, dict):
+        raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
+    model, tokenizer = settings.model, settings.model.tokenizer
+    sampler = _sampler(body.get("sampler", settings.sampler), model)
+    prompts = _chat(body, tokenizer, settings) if endpoint == "chat.completions" else _prompts(body, tokenizer, model)
+    known = {"prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "stop",
+             "stop_token_ids", "seed", "n", "stream", "stream_options", "sampler", "stream_canvas", *IGNORED,
+             *UNSUPPORTED}
+    for name, neutral in UNSUPPORTED.items():
+        if name in body and body[name] not in neutral:
+            raise BadRequest(f"{name} is not supported by dllm serve (got {body[name]!r}); leave it out")
+    spec = SAMPLERS[sampler]
+    extra = {key: value for key, value in body.items() if key not in known}
+    refused = sorted(set(extra) & set(SERVER_ONLY))
+    if refused:
+        raise BadRequest(f"{refused[0]} can only be set when the server starts (dllm serve --option "
+                         f"{refused[0]}=...), not per request")
+    unknown = sorted(set(extra) - set(spec.options))
+    if unknown:
+        raise BadRequest(f"unknown field {unknown[0]!r}: not an OpenAI field dllm serve reads, nor an option of "
+                         f"sampler {sampler!r} (its options: {sorted(set(spec.options) - set(SERVER_ONLY))})")
+    options = dict(settings.options) if sampler == settings.sampler else {}
+    options.update(_filters(body, spec, sampler))
+    try:
+        options.update(typed_options(sampler, extra))
+    except ValueError as error:
+        raise BadRequest(str(error)) from None
+
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    max_tokens = settings.default_max_tokens if max_tokens is None else _int(name, max_tokens, 1)
+    for ids in prompts:
+        _check_length(ids, max_tokens, name, model)
+    try:
+        spec.configure(options, model=model, max_new_tokens=max_tokens)
+    except (ValueError, TypeError) as error:
+        raise BadRequest(str(error)) from None
+
+    temperature = body.get("temperature")
+    temperature = 1.0 if temperature is None else _number("temperature", temperature, 0.0)
+    n = 1 if body.get("n") is None else _int("n", body["n"], 1, settings.max_n)
+    seed = body.get("seed")
+    seed_given = seed is not None
+    seed = secrets.randbits(63) if seed is None else _int("seed", seed, 0, SEED_LIMIT - 1)
+    stream = _bool("stream", body.get("stream", False))
+    stream_options = body.get("stream_options") or {}
+    if not isinstance(stream_options, dict) or set(stream_options) - {"include_usage"}:
+        raise BadRequest("stream_options must be an object with at most include_usage (true or false)")
+    if stream_options and not stream:
+        raise BadRequest("stream_options is only allowed with stream: true")
+    return Job(endpoint, prompts, max_tokens, float(temperature), sampler, options, _stop(body.get("stop")),
+               _stop_ids(body.get("stop_token_ids"), model), seed, n, stream,
+               _bool("stream_options.include_usage", stream_options.get("include_usage", False)),
+               _bool("stream_canvas", body.get("stream_canvas", False)), seed_given)
+
+
+# ------------------------------------------------------------------------------------------------ fields
+
+
+def _sampler(name, model) -> str:
+    if not isinstance(name, str) or name not in SAMPLERS:
+        raise BadRequest(f"sampler must be one of {sorted(SAMPLERS)}, got {name!r}")
+    kind = SAMPLERS[name].model_kind
+    causal = is_causal_model(model)
+    if (kind == "causal" and not causal) or (kind == "diffusion" and causal):
+        fits = sorted(s for s, spec in SAMPLERS.items() if spec.model_kind in ("any", "causal" if causal else
+                                                                                 "diffusion"))
+        raise BadRequest(f"sampler {name!r} needs a {kind} model; this server's model is "
+                         f"{'causal' if causal else 'a diffusion model'} (samplers for it: {fits})")
+    return name
+
+
+def _prompts(body: dict, tokenizer, model) -> list[list[int]]:
+    if "messages" in body:
+        raise BadRequest("messages belongs to /v1/chat/completions; /v1/completions takes prompt")
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return [_encode(prompt, tokenizer)]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        return [_encode(p, tokenizer) for p in prompt]
+    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        return [_ids(prompt, model)]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, list) and p and all(_is_int(t) for t in p)
+                                                   for p in prompt):
+        return [_ids(p, model) for p in prompt]
+    raise BadRequest("prompt must be a string, a non-empty list of strings, a list of token ids or a list of "
+                     f"lists of token ids; got {_shown(prompt)}")
+
+
+def _chat(body: dict, tokenizer, settings: ServerSettings) -> list[list[int]]:
+    if "prompt" in body:
+        raise BadRequest("prompt belongs to /v1/completions; /v1/chat/completions takes messages")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest(f"messages must be a non-empty list of {{role, content}} objects, got {_shown(messages)}")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in ("system", "user", "assistant", "developer"):
+            raise BadRequest(f"messages[{i}].role must be one of system, developer, user, assistant; got "
+                             f"{_shown(message.get('role') if isinstance(message, dict) else message)}")
+        if not isinstance(message.get("content"), str):
+            raise BadRequest(f"messages[{i}].content must be a string (dllm serve takes text only), got "
+                             f"{_shown(message.get('content'))}")
+    template = settings.chat_template or getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise BadRequest(f"model {settings.model_name} has no chat template: use /v1/completions, or start the "
+                         "server with --chat-template FILE")
+    text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=True)
+    return [tokenizer(text, add_special_tokens=False)["input_ids"]]
+
+
+def _encode(text: str, tokenizer) -> list[int]:
+    ids = tokenizer(text)["input_ids"]
+    if not ids:
+        raise BadRequest("prompt must not be empty (it encodes to no tokens)")
+    return ids
+
+
+def _ids(ids: list, model) -> list[int]:
+    vocab, mask = model.vocab_size, getattr(model, "mask_token_id", None)
+    for token in ids:
+        if not 0 <= token < vocab or token == mask:
+            raise BadRequest(f"prompt token ids must lie in [0, {vocab}) and not be the mask token ({mask}); "
+                             f"got {token}")
+    return list(ids)
+
+
+def _check_length(ids: list[int], max_tokens: int, name: str, model) -> None:
+    room = max_prompt_length(model, max_tokens)
+    if room is not None and len(ids) > room:
+        limit = context_length(model)
+        if len(ids) >= limit:
+            raise BadRequest(f"prompt is {len(ids)} tokens, the model's context is {limit}: shorten the prompt")
+        raise BadRequest(f"{name} {max_tokens} + the prompt's {len(ids)} tokens exceed the model's context of "
+                         f"{limit}: {name} <= {max_tokens - len(ids) + room} fits this prompt")
+
+
+def _filters(body: dict, spec, sampler: str) -> dict:
+    """top_p / top_k as the sampler's own options, where it has them; elsewhere only their neutral values."""
+    out = {}
+    for name, neutral in (("top_p", 1), ("top_k", None)):
+        value = body.get(name)
+        if value is None or (value == neutral and name not in spec.options):
+            continue
+        if name not in spec.options:
+            raise BadRequest(f"{name} is not an option of sampler {sampler!r} (exact samplers sample the model's "
+                             f"own law; samplers with {name}: "
+                             f"{sorted(s for s, other in SAMPLERS.items() if name in other.options)})")
+        out[name] = value
+    return out
+
+
+def _stop(stop) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) \
+            or len(stops) > MAX_STOP_STRINGS:
+        raise BadRequest(f"stop must be a non-empty string or a list of at most {MAX_STOP_STRINGS} of them, "
+                         f"got {_shown(stop)}")
+    return stops
+
+
+def _stop_ids(ids, model) -> tuple[int, ...] | None:
+    """The model's stop ids plus the request's ``stop_token_ids``."""
+    from dllm.stops import model_stop_ids
+
+    own = model_stop_ids(model) or ()
+    if ids is None:
+        return own or None
+    if not isinstance(ids, list) or not all(_is_int(t) for t in ids):
+        raise BadRequest(f"stop_token_ids must be a list of token ids, got {_shown(ids)}")
+    mask = getattr(model, "mask_token_id", None)
+    for token in ids:
+        if not 0 <= token < model.vocab_size or token == mask:
+            raise BadRequest(f"stop_token_ids must lie in [0, {model.vocab_size}) and not be the mask token "
+                             f"({mask}); got {token}")
+    return tuple(dict.fromkeys([*own, *ids])) or None
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int(name: str, value, low: int, high: int | None = None) -> int:
+    if not _is_int(value) or value < low or (high is not None and value > high):
+        allowed = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise BadRequest(f"{name} must be an integer {allowed}, got {_shown(value)}")
+    return value
+
+
+def _number(name: str, value, low: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < low:
+        raise BadRequest(f"{name} must be a finite number >= {low:g}, got {_shown(value)}")
+    return float(value)
+
+
+def _bool(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise BadRequest(f"{name} must be true or false, got {_shown(value)}")
+    return value
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
