@@ -57,5 +57,5 @@ class LiveServer:
 
 def require_serve():
     """Skip with the reason when the [serve] extra (and the openai client the tests speak) is not installed."""
-    for module in ("fastapi", "uvicorn", "prometheus_client", "openai", "httpx"):
+    for module in ("fastapi", "uvicorn", "prometheus_client", "greenlet", "openai", "httpx"):
         pytest.importorskip(module, reason=f"dllm serve's tests need {module}: pip install -e '.[serve,test]'")

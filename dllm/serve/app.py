@@ -26,19 +26,19 @@ from .requests import BadRequest, Job, ServerSettings, parse
 RETRY_AFTER_S = 1  # what a 429 asks the client to wait
 
 
-def create_app(settings: ServerSettings, max_batch_size: int = 16, max_queue: int = 64, grace: float = 10.0) -> FastAPI:
-    """The server's app: the engine starts with the app and stops with it (``grace`` seconds for running lanes)."""
+def create_app(settings: ServerSettings, engine: Engine, grace: float = 10.0) -> FastAPI:
+    """The server's app over ``engine`` (running in a thread of its own or the caller's); the app's end stops the
+    engine (``grace`` seconds for the lanes still running)."""
     metrics = Metrics()
+    metrics.watch(engine)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        app.state.engine = Engine(settings.model, max_batch_size=max_batch_size, max_queue=max_queue)
-        metrics.watch(app.state.engine)
         yield
-        await asyncio.to_thread(app.state.engine.stop, grace)
+        await asyncio.to_thread(engine.stop, grace)
 
     app = FastAPI(title="dllm serve", lifespan=lifespan)
-    app.state.settings, app.state.metrics = settings, metrics
+    app.state.settings, app.state.metrics, app.state.engine = settings, metrics, engine
 
     @app.get("/health")
     async def health():

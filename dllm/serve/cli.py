@@ -7,7 +7,6 @@ and exits 0.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import signal
 import sys
 import threading
@@ -46,8 +45,9 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def build(args: argparse.Namespace):
-    """The app for parsed arguments (loads the model); what ``main`` serves and tests start in-process."""
+def build(args: argparse.Namespace, engine_thread: bool = True):
+    """The app for parsed arguments (loads the model); what ``main`` serves and tests start in-process. With
+    ``engine_thread`` False the caller runs ``app.state.engine.run()`` (``main`` does, in the loading thread)."""
     from dllm.cli import UserError, _load, check_device
     from dllm.models.chat import TRAINING_FORMAT_TEMPLATE
     from dllm.models.loading import is_shipped
@@ -55,6 +55,7 @@ def build(args: argparse.Namespace):
     from dllm.samplers import SAMPLERS, parse_options
 
     from .app import create_app
+    from .engine import Engine
     from .requests import BadRequest, ServerSettings, _sampler
 
     for flag, value, low in (("--port", args.port, 0), ("--max-batch-size", args.max_batch_size, 1),
@@ -87,7 +88,8 @@ def build(args: argparse.Namespace):
         template = TRAINING_FORMAT_TEMPLATE
     settings = ServerSettings(model, args.served_model_name or args.model, sampler, options,
                               args.default_max_tokens, args.max_n, template)
-    return create_app(settings, max_batch_size=args.max_batch_size, max_queue=args.max_queue, grace=args.grace)
+    engine = Engine(model, max_batch_size=args.max_batch_size, max_queue=args.max_queue, thread=engine_thread)
+    return create_app(settings, engine, grace=args.grace)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,48 +105,36 @@ def _serve(args: argparse.Namespace) -> int:
         from dllm.cli import UserError
 
         raise UserError('dllm serve needs its extra: pip install -e ".[serve]"') from None
-    app = build(args)
-    settings = app.state.settings
+    # The engine runs in this thread, which loaded the model, and uvicorn in another: every torch operation then
+    # happens in one thread (dllm.serve.engine says why). Signals are taken here and passed to uvicorn, which
+    # stops gracefully (its own handlers would re-raise the signal after, and the process would die of it).
+    app = build(args, engine_thread=False)
+    settings, engine = app.state.settings, app.state.engine
     print(f"dllm serve: {settings.model_name} ({type(settings.model).__name__}), sampler {settings.sampler}, on "
           f"http://{args.host}:{args.port} (max batch {args.max_batch_size}, queue {args.max_queue})", flush=True)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.grace or None)
-    server = _Server(config)
-    server.run()  # SIGTERM / SIGINT: graceful shutdown, then the app's lifespan stops the engine
-    if server.stopped_by:
-        print(f"dllm serve: stopped by {server.stopped_by}", file=sys.stderr)
-    return 0
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           timeout_graceful_shutdown=args.grace or None))
+    stopped_by = []
 
+    def stop(signum, frame) -> None:
+        stopped_by.append(signal.Signals(signum).name)
+        server.handle_exit(signum, frame)
 
-def _server_class():
-    import uvicorn
+    def serve() -> None:
+        try:
+            server.run()
+        finally:  # also when uvicorn could not start (a port in use): the engine's loop must end
+            engine.stop(args.grace)
 
-    class Server(uvicorn.Server):
-        """uvicorn's server, except that a SIGTERM or SIGINT that stopped it gracefully is not raised again once
-        it has stopped (uvicorn re-raises it, so the process would die of the signal): a graceful stop exits 0."""
-
-        stopped_by: str | None = None
-
-        @contextlib.contextmanager
-        def capture_signals(self):
-            if threading.current_thread() is not threading.main_thread():
-                yield
-                return
-            handled = (signal.SIGINT, signal.SIGTERM)
-            original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
-            try:
-                yield
-            finally:
-                for sig, handler in original.items():
-                    signal.signal(sig, handler)
-                if self._captured_signals:
-                    self.stopped_by = signal.Signals(self._captured_signals[0]).name
-
-    return Server
-
-
-def _Server(config):  # noqa: N802 - reads as the class it makes (uvicorn is imported only when serving)
-    return _server_class()(config)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, stop)
+    http = threading.Thread(target=serve, name="dllm-http")
+    http.start()
+    engine.run()
+    http.join()
+    if stopped_by:
+        print(f"dllm serve: stopped by {stopped_by[0]}", file=sys.stderr)
+    return 0 if server.started else 1
 
 
 if __name__ == "__main__":
