@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -42,7 +43,7 @@ def create_app(settings: ServerSettings, engine: Engine, grace: float = 10.0) ->
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": settings.model_name}
+        return {"status": "ok", "model": settings.model_name, "pid": os.getpid()}  # (replicas tell apart)
 
     @app.get("/v1/models")
     async def models():

@@ -42,7 +42,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--grace", type=float, default=10.0, help="seconds requests in flight get to finish at SIGTERM "
                    "(default 10)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--replicas", type=int, help="run N replicas of this server behind Ray Serve's proxy on --host:"
+                   "--port (pip install 'ray[serve]'; dllm.serve.replicas)")
+    p.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves for each replica (default 1)")
+    p.add_argument("--ray-address", help="join this Ray cluster (e.g. auto) instead of starting a local instance")
     return p
+
+
+_REPLICA_FLAGS = ("--replicas", "--replica-cpus", "--ray-address", "--host", "--port")
 
 
 def build(args: argparse.Namespace, engine_thread: bool = True):
@@ -95,16 +102,19 @@ def build(args: argparse.Namespace, engine_thread: bool = True):
 def main(argv: list[str] | None = None) -> int:
     from dllm.cli import run_guarded
 
-    return run_guarded("serve", lambda: _serve(parser().parse_args(argv)))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    return run_guarded("serve", lambda: _serve(parser().parse_args(argv), argv))
 
 
-def _serve(args: argparse.Namespace) -> int:
+def _serve(args: argparse.Namespace, argv: list[str]) -> int:
+    from dllm.cli import UserError
+
     try:
         import uvicorn
     except ImportError:
-        from dllm.cli import UserError
-
         raise UserError('dllm serve needs its extra: pip install -e ".[serve]"') from None
+    if args.replicas is not None:
+        return _replicas(args, argv)
     # The engine runs in this thread, which loaded the model, and uvicorn in another: every torch operation then
     # happens in one thread (dllm.serve.engine says why). Signals are taken here and passed to uvicorn, which
     # stops gracefully (its own handlers would re-raise the signal after, and the process would die of it).
@@ -139,3 +149,33 @@ def _serve(args: argparse.Namespace) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _replicas(args: argparse.Namespace, argv: list[str]) -> int:
+    """``--replicas N``: the other flags go to every replica (dllm.serve.replicas)."""
+    from dllm.cli import UserError
+
+    if args.replicas < 1 or args.replica_cpus <= 0:
+        raise UserError(f"--replicas must be >= 1 and --replica-cpus > 0, got {args.replicas} and "
+                        f"{args.replica_cpus}")
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        raise UserError("--replicas runs on Ray Serve: pip install 'ray[serve]'") from None
+    from .replicas import serve_forever
+
+    return serve_forever(_without(argv, _REPLICA_FLAGS), args.replicas, args.host, args.port, args.replica_cpus,
+                         args.ray_address)
+
+
+def _without(argv: list[str], flags: tuple[str, ...]) -> list[str]:
+    """``argv`` less ``flags`` and their values (``--flag value`` or ``--flag=value``)."""
+    kept, skip = [], False
+    for item in argv:
+        if skip:
+            skip = False
+        elif item in flags:
+            skip = True
+        elif not item.startswith(tuple(flag + "=" for flag in flags)):
+            kept.append(item)
+    return kept
