@@ -391,3 +391,56 @@ def test_bad_flags_fail_in_one_line(capsys):
     errors = capsys.readouterr().err.strip().splitlines()
     assert errors[0].startswith("dllm serve: ") and "--max-batch-size" in errors[0]
     assert "sampler" in errors[1] and "--chat-template" in errors[2]
+
+
+def test_the_readme_serving_commands_work_as_printed():
+    """The README's two commands, on a free port: the server starts, and the curl line gets a seeded completion
+    whose sampler options came from the body."""
+    require_serve()
+    import re
+    import shlex
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import httpx
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    body = readme.split("## Serving\n", 1)[1].split("\n## ", 1)[0]
+    serve_line, curl = re.search(r"```bash\n(.*?)\n(.*?)```", body, re.S).groups()
+    port = str(_free_port())
+    serve_argv = shlex.split(serve_line.split("#")[0].replace("8000", port))
+    assert serve_argv[:2] == ["dllm", "serve"]
+    process = subprocess.Popen([sys.executable, "-m", "dllm.cli", *serve_argv[1:]], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                assert process.poll() is None and time.monotonic() < deadline, process.stdout.read()
+                time.sleep(0.2)
+        done = subprocess.run(["bash", "-c", curl.replace("8000", port)], capture_output=True, text=True,
+                              timeout=60)
+        answer = json.loads(done.stdout)
+        assert answer["choices"][0]["text"] and answer["dllm"]["seed"] == 3
+        assert answer["dllm"]["options"]["window"] == 8 and answer["dllm"]["exact"] is True
+    finally:
+        process.terminate()
+        assert process.wait(timeout=30) == 0
+
+
+def test_the_load_study_runs_and_checks_every_answer(tmp_path):
+    """A small run of eval/study/load.py: its own server process, two concurrency levels, half the streams dropped;
+    every other request answered exactly once, the table and the JSON written."""
+    require_serve()
+    from dllm.eval.study import load
+
+    assert load.main(["--targets", "diffusion:fef", "--concurrency", "1", "2", "--requests", "4", "--max-tokens", "8",
+                      "--disconnect", "0.5", "--output", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "load.json").read_text())
+    assert [row["concurrency"] for row in result["rows"]] == [1, 2]
+    assert all(row["answered"] == 2 and row["disconnected"] == 2 for row in result["rows"])
+    assert "| diffusion:fef | 2 |" in (tmp_path / "load.md").read_text()

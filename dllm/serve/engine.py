@@ -203,6 +203,7 @@ class Engine:
                         self._resume(lane, self._waiting, lambda g, e=call.error: g.throw(e))
                     else:
                         self._resume(lane, self._waiting, lambda g, r=call.result: g.switch(r))
+                del calls, call  # a waiting engine holds no lane's tensors
 
     def _resume(self, lane: Lane, calls: list, step) -> None:
         """Run ``lane`` (``step(its greenlet)``) until it asks for a call (added to ``calls``) or ends."""

@@ -47,6 +47,7 @@ class Record:
     completion_tokens: int
     disconnected: bool
     done_markers: int  # "[DONE]" lines received: 1 for an answered stream
+    run: int = 0  # which entry of --concurrency (a level may be repeated: later runs see a warm server)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -84,10 +85,12 @@ def main(argv: list[str] | None = None) -> int:
     for model in models:
         with Server(model, args.serve_arg) as server:
             for target in (t for t in args.targets if t.split(":")[0] == model):
-                for concurrency in args.concurrency:
+                for run_index, concurrency in enumerate(args.concurrency):
                     before = server.rss_mib()
                     run = asyncio.run(_drive(server.url, target, concurrency, prompts, args))
-                    memory[f"{target} c{concurrency}"] = (before, server.rss_mib())
+                    for record in run:
+                        record.run = run_index
+                    memory[f"{target} c{concurrency} run {run_index + 1}"] = (before, server.rss_mib())
                     records += run
                     print(_line(target, concurrency, run), flush=True)
             server.check_answered(records)
@@ -212,8 +215,8 @@ def _table(records: list[Record], args) -> list[dict]:
     rows = []
     for target in args.targets:
         base = None
-        for concurrency in args.concurrency:
-            run = [r for r in records if r.target == target and r.concurrency == concurrency]
+        for index, concurrency in enumerate(args.concurrency):
+            run = [r for r in records if r.target == target and r.run == index]
             ok = [r for r in run if r.status == 200 and not r.disconnected]
             if not run:
                 continue
@@ -222,7 +225,8 @@ def _table(records: list[Record], args) -> list[dict]:
             base = base or throughput
             latencies = sorted(r.latency_s for r in ok)
             firsts = sorted(r.first_text_s for r in ok if r.first_text_s is not None)
-            rows.append({"target": target, "concurrency": concurrency, "requests": len(run), "answered": len(ok),
+            rows.append({"target": target, "concurrency": concurrency, "run": index + 1, "requests": len(run),
+                         "answered": len(ok),
                          "refused_429": sum(r.status == 429 for r in run), "errors": sum(r.status == 500 for r in run),
                          "disconnected": sum(r.disconnected for r in run), "wall_s": wall,
                          "tokens_per_s": throughput, "x_concurrency_1": throughput / base if base else None,
@@ -253,7 +257,7 @@ def _markdown(rows: list[dict], memory: dict) -> str:
     lines = ["| target | concurrency | answered / sent | 429 | tok/s | x c=1 | latency p50 / p99 s | "
              "first text p50 / p99 s | server MiB before / after |", "| --- " * 9 + "|"]
     for row in rows:
-        before, after = memory.get(f"{row['target']} c{row['concurrency']}", (None, None))
+        before, after = memory.get(f"{row['target']} c{row['concurrency']} run {row['run']}", (None, None))
         lines.append(f"| {row['target']} | {row['concurrency']} | {row['answered']} / {row['requests']} | "
                      f"{row['refused_429']} | {cell(row['tokens_per_s'], 1)} | {cell(row['x_concurrency_1'], 2)} | "
                      f"{cell(row['latency_p50_s'])} / {cell(row['latency_p99_s'])} | "
