@@ -59,6 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--disconnect", type=float, default=0.0, help="fraction of requests dropped mid-stream")
+    p.add_argument("--dtype", default="float32", help="every server's --dtype (default float32: ratios compare "
+                   "alike on any CPU)")
     p.add_argument("--serve-arg", action="append", default=[], help="an extra flag for every dllm serve (repeat)")
     p.add_argument("--output", default="runs/load")
     args = p.parse_args(argv)
@@ -83,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     records, memory = [], {}
     models = dict.fromkeys(target.split(":")[0] for target in args.targets)
     for model in models:
-        with Server(model, args.serve_arg) as server:
+        with Server(model, ["--dtype", args.dtype, *args.serve_arg]) as server:
             for target in (t for t in args.targets if t.split(":")[0] == model):
                 for run_index, concurrency in enumerate(args.concurrency):
                     before = server.rss_mib()

@@ -27,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=50)
     p.add_argument("--seeds", type=int, default=20)
     p.add_argument("--samples", type=int, default=1000)
+    p.add_argument("--dtype", default="float32", help="the server's and the offline model's dtype")
     args = p.parse_args(argv)
     import httpx
     from scipy import stats
@@ -38,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from .load import Server
 
-    model = dllm.load(args.model)
+    model = dllm.load(args.model, dtype=getattr(torch, args.dtype))
     tokenizer = model.tokenizer
     prompts = [format_example(r["question"]) for r in problems(args.prompts, seed=1_000_003)]
     stop = set(model_stop_ids(model) or ())
@@ -53,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         return answer[: cut[0]] if cut else answer
 
     failed = False
-    with Server(args.model, ["--max-queue", "400"]) as server, httpx.Client(base_url=server.url, timeout=300) as http:
+    flags = ["--max-queue", "400", "--dtype", args.dtype]
+    with Server(args.model, flags) as server, httpx.Client(base_url=server.url, timeout=300) as http:
         def ask(prompt: str, temperature: float, seed: int, tokens: int = 32, n: int = 1) -> list[list[int]]:
             body = {"prompt": prompt, "max_tokens": tokens, "temperature": temperature, "seed": seed, "n": n,
                     "sampler": args.sampler}
