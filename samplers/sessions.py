@@ -127,10 +127,11 @@ class Session(Protocol):
     def view(self, rows: torch.Tensor, masked: list[int] | None = None) -> View: ...
 
     def logits(self, tokens: torch.Tensor, which: torch.Tensor, hidden: bool = False, *, rows: torch.Tensor,
-               at: torch.Tensor | None = None):
+               at: torch.Tensor | None = None, most: int | None = None):
         """Logits [N, Ls, V] of view-shaped ``tokens`` [N, Ls]; input i belongs to canvas row
         ``rows[which[i]]`` (``rows`` [R] the view's rows, each served by the call); ``hidden``: (logits,
-        features [N, Ls, D]); ``at`` [N, K] view positions: float32 logits [N, K, V] (features [N, K, D]) there."""
+        features [N, Ls, D]); ``at`` [N, K] view positions: float32 logits [N, K, V] (features [N, K, D]) there;
+        ``most``: the most inputs of one view row, where the caller knows it (a hint; sessions may ignore it)."""
         ...
 
     def structured(self, tokens: torch.Tensor, *args, rows: torch.Tensor) -> tuple: ...
@@ -181,7 +182,7 @@ class FullSession(_Session):
         return self._view(rows, 0, self.canvas.x.shape[1], end, masked)
 
     def logits(self, tokens: torch.Tensor, which: torch.Tensor, hidden: bool = False, *, rows: torch.Tensor,
-               at: torch.Tensor | None = None):
+               at: torch.Tensor | None = None, most: int | None = None):
         self.caller.count(tokens, len(rows))  # copies of a view row serve it once; every view row is served
         kwargs = self.caller.kwargs(rows[which], slice(0, tokens.shape[1]))
         outs = []
@@ -248,14 +249,16 @@ class BlockCacheSession(_Session):
         return self._view(rows, start, stop, end - start, masked=masked)
 
     def logits(self, tokens: torch.Tensor, which: torch.Tensor, hidden: bool = False, *, rows: torch.Tensor,
-               at: torch.Tensor | None = None):
+               at: torch.Tensor | None = None, most: int | None = None):
+        """As ``Session.logits``; ``most``: the most inputs one view row has, when the caller knows it on the host
+        (packing then reads nothing from the device)."""
         view_rows, served, rows = rows, len(rows), rows[which]
         start, _, stop = self._span()
         parts = self._split(tokens)
         if len(parts) > 1:  # the commit below would fold the block in from the first part's rows only
             self._fill(start)
         elif tokens.shape[0] > served and self.packs and self.native_at:  # copies: one packed input per row
-            packed, kwargs, unpack = self._pack(tokens, which, view_rows, at)
+            packed, kwargs, unpack = self._pack(tokens, which, view_rows, at, most)
             self.caller.count(packed, served, self.cache)
             out = self.caller.model.forward_cached(packed, self.cache, rows=view_rows, append=False, **kwargs,
                                                    **_hidden(hidden))
@@ -276,7 +279,8 @@ class BlockCacheSession(_Session):
         self.cached_until = start
         return _join(outs)
 
-    def _pack(self, tokens: torch.Tensor, which: torch.Tensor, rows: torch.Tensor, at: torch.Tensor | None):
+    def _pack(self, tokens: torch.Tensor, which: torch.Tensor, rows: torch.Tensor, at: torch.Tensor | None,
+              most: int | None = None):
         """Copies [N, n] of view rows ``rows`` [R] (N > R) as one model input per row -> (inputs [R, m], the
         forward's keywords, a function from its answer to ``logits``'s). A row's input: the pending finished
         block (segment 0, committed to the cache), then its copies (segments 1, 2, ...), then filler up to the
@@ -285,7 +289,10 @@ class BlockCacheSession(_Session):
         served, (count, length) = len(rows), tokens.shape
         device = tokens.device
         per_row = torch.bincount(which, minlength=served)
-        most = count if served == 1 else int(per_row.max())  # (one synchronisation, on a batch only)
+        if served == 1:
+            most = count
+        elif most is None:  # one synchronisation, on a batch whose caller did not say
+            most = int(per_row.max())
         order = torch.argsort(which, stable=True)
         rank = torch.empty_like(which)  # copy i is the rank[i]-th of its row
         rank[order] = torch.arange(count, device=device) - (per_row.cumsum(0) - per_row)[which[order]]
@@ -351,7 +358,7 @@ class PrefixCacheSession(_Session):
         return self._view(rows, start, self.canvas.x.shape[1], end - start, masked=masked)
 
     def logits(self, tokens: torch.Tensor, which: torch.Tensor, hidden: bool = False, *, rows: torch.Tensor,
-               at: torch.Tensor | None = None):
+               at: torch.Tensor | None = None, most: int | None = None):
         served, rows = len(rows), rows[which]
         self.caller.count(tokens, served, self.cache)
         # The new tokens' mask columns are the last ones of keys=[0, L): answer positions, all ones.

@@ -33,7 +33,7 @@ def test_transformer_declares_its_record(layout):
                                 block_size=2 if layout == "block_causal" else None, cache=True,
                                 cache_exact=layout != "bidirectional", cache_crop=True, cache_drop=True,
                                 commits_prefix=True, structured_verify=True, hidden_states=True,
-                                tree_attention=layout == "causal", logits_at=True)
+                                tree_attention=layout == "causal", logits_at=True, packs_copies=True)
     with pytest.raises(dataclasses.FrozenInstanceError):
         caps.cache = False
 

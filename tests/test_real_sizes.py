@@ -78,17 +78,35 @@ def projected(monkeypatch):
     ("fast_dllm", {}, 8),
 ])
 @pytest.mark.parametrize("cache", ["none", "block"])
-def test_rounds_project_only_what_they_read(projected, sampler, options, most, cache):
-    """On a block-causal model over 6 + 16 positions in blocks of 8, no call projects more positions than the
-    round reads (a [B, L, V] tensor would show as 22 or 8 + 8)."""
+def test_rounds_project_only_what_they_read(projected, monkeypatch, sampler, options, most, cache):
+    """On a block-causal model over 6 + 16 positions in blocks of 8, no call projects more positions per input
+    than the round reads (a [B, L, V] tensor would show as 22 or 8 + 8), with fef's copies one input each (packed,
+    under the block cache, a row's copies share an input and project only their asked positions: the same tokens)."""
+    from dllm.samplers.sessions import BlockCacheSession
+
     model = _model("block_causal", seed=2, block_size=8)
     if cache == "block" and sampler in ("llada", "dream"):
         pytest.skip("llada and dream run without the block cache")
     prompt = torch.randint(0, 10, (2, 6), generator=torch.Generator().manual_seed(3))
-    out = dllm.generate(model, prompt, sampler=sampler, max_new_tokens=16, temperature=1.0, cache=cache,
-                        block_length=8, generator=torch.Generator().manual_seed(0), **options)
-    assert out.sequences.shape == (2, 22) and projected
-    assert max(projected) <= most, projected
+
+    def run():
+        projected.clear()
+        out = dllm.generate(model, prompt, sampler=sampler, max_new_tokens=16, temperature=1.0, cache=cache,
+                            block_length=8, generator=torch.Generator().manual_seed(0), **options)
+        assert out.sequences.shape == (2, 22) and projected
+        return out, list(projected)
+
+    packed, _ = run()
+    real_init = BlockCacheSession.__init__
+
+    def unpacked_init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        self.packs = False
+
+    monkeypatch.setattr(BlockCacheSession, "__init__", unpacked_init)
+    unpacked, positions = run()
+    assert max(positions) <= most, positions
+    assert torch.equal(packed.sequences, unpacked.sequences)
 
 
 @pytest.mark.parametrize("cache", ["none", "block"])

@@ -107,7 +107,9 @@ class FefStepper:
         copies, copy_index, row_of = _build_copies(x, positions, drafts, count, draft_is_state, total)
         if tree is not None:  # the branches' copies join the call
             copies, row_of = tree.add_copies(x, positions, count, copies, row_of)
-        copy_logits = view.call(copies, row_of, at=band.at(row_of))
+        most = None if view.masked is None or tree is not None else \
+            max(min(slots.shape[1], m) + 1 - draft_is_state for m in view.masked)  # copies of one row (host)
+        copy_logits = view.call(copies, row_of, at=band.at(row_of), **({} if most is None else {"most": most}))
         if tree is not None:  # the branch copies' logits and picks stay with the tree; the chain's go on
             chain = copies.shape[0] - tree.size
             branch_candidates = band.candidates(view, copies[chain:], row_of[chain:])
