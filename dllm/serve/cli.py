@@ -158,10 +158,10 @@ def _replicas(args: argparse.Namespace, argv: list[str]) -> int:
     if args.replicas < 1 or args.replica_cpus <= 0:
         raise UserError(f"--replicas must be >= 1 and --replica-cpus > 0, got {args.replicas} and "
                         f"{args.replica_cpus}")
-    try:
-        import ray  # noqa: F401
-    except ImportError:
-        raise UserError("--replicas runs on Ray Serve: pip install 'ray[serve]'") from None
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:  # (not imported: Ray reads its settings when imported, which
+        raise UserError("--replicas runs on Ray Serve: pip install 'ray[serve]'")  # dllm.serve.replicas sets first)
     from .replicas import serve_forever
 
     return serve_forever(_without(argv, _REPLICA_FLAGS), args.replicas, args.host, args.port, args.replica_cpus,
