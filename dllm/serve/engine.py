@@ -34,8 +34,6 @@ from typing import Any
 import greenlet
 import torch
 
-BATCHED = ("forward", "forward_cached")  # the calls the engine batches; every other method runs in the lane
-
 
 class Cancelled(Exception):
     """The lane was cancelled (its client went away, or the server is stopping)."""
