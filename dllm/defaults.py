@@ -47,7 +47,7 @@ MAX_NEW = _MaxNew()
 SAMPLER_DEFAULTS: dict[str, dict[str, object]] = {
     "ar": {"cache": "auto"},
     "ar_spec": {"drafter": "ngram", "num_draft_tokens": 4, "max_ngram": 3, "draft_head": None,
-                "draft_confidence": None, "draft_candidates": 1, "candidates_below": None},
+                "draft_confidence": None, "draft_candidates": 1, "candidates_below": None, "draft_cutoff": None},
     "masked": {"block_length": MAX_NEW, "cache": "auto"},
     "llada": {"steps": MAX_NEW, "remasking": "low_confidence", "cfg_scale": 0.0},
     "dream": {"steps": MAX_NEW, "alg": "maskgit_plus", "alg_temp": None, "top_p": None, "top_k": None},
@@ -61,7 +61,7 @@ SAMPLER_DEFAULTS: dict[str, dict[str, object]] = {
              "top_k": 0, "top_p": 1.0},
     "sequential": {"order": "left_to_right"},
     "fef": {"window": FEF_WINDOW, "draft": FEF_DRAFT, "verifier": "copies", "draft_head": None,
-            "draft_candidates": 1, "candidates_below": None, "call_tokens": None},
+            "draft_candidates": 1, "candidates_below": None, "call_tokens": None, "draft_cutoff": None},
     "native": {"generate_kwargs": None, "drafter": None},
 }
 

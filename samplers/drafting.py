@@ -5,6 +5,19 @@ valid. The output law stays exact for any drafter, provided ``Draft.logits`` are
 were sampled from (softmax(logits / T), as ``dllm.numerics.sample_from_logits`` draws them): a drafter changes
 speed only. ar_spec's drafters (``samplers/ar_spec/drafters.py``) propose at the end of sequences; fef's draft
 sources (``samplers/fef/sources.py``) at positions of a canvas; both return a ``Draft``.
+
+Adaptive draft length (``draft_cutoff``, fef and ar_spec alike): a row's drafts end at the first one where the
+drafter's own estimate that all of them survive verification, the running product of each draft's
+temperature-1 probability under the logits it was drawn from (``draft_survival``), falls below the cutoff
+(``cut_count``), as DFlash's confidence cut-off and EAGLE-2's dynamic length do. Drafting one more position pays
+when the chance it is reached and accepted beats its cost relative to a round's, so the cutoff is that cost ratio
+(the speed study's cost model gives both costs). Exact for every cutoff because whether position j + 1 is drafted
+is decided from drafts 0..j alone, before d_{j+1} is drawn (the draft that crosses the cutoff is still verified):
+the count is a stopping time of the drafter's own sampling, and the rule never reads the target (whose call
+has not been made). A rule that looks alike is not exact, and the tests show it (``tests/test_adaptive_drafts.py``):
+one that also drops the draft that crossed the cutoff keeps or drops a draft by its own value, so the kept drafts
+are biased toward tokens the judge likes (whether the judge is the drafter or the target), which the verifier,
+told the drafter's logits, does not know.
 """
 
 from __future__ import annotations
@@ -45,6 +58,32 @@ def more_candidates(draft: Draft, count: int, temperature: float, generator, row
         more = torch.where(sure, -1, more)
     valid = torch.arange(draft.tokens.shape[1], device=more.device) < draft.count[:, None]  # [R, K]
     return torch.where(valid[..., None], more.view(*draft.tokens.shape, count), -1)
+
+
+def draft_survival(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The drafter's own estimate that drafts 0..j all survive: the running product over a window of each draft's
+    temperature-1 probability under the logits it was drawn from, logits [R, K, V], tokens [R, K] -> [R, K]."""
+    own = torch.softmax(logits.float(), dim=-1).gather(-1, tokens.clamp(min=0)[..., None])[..., 0]
+    return own.cumprod(dim=1)
+
+
+def cut_count(logits: torch.Tensor, tokens: torch.Tensor, count: torch.Tensor, cutoff: float | None) -> torch.Tensor:
+    """The adaptive draft length (see the module docstring): each row's ``count`` [R] shortened to end at its first
+    draft whose ``draft_survival`` is below ``cutoff``, that draft included (so at least one) -> [R]."""
+    if cutoff is None or tokens.shape[1] == 0:
+        return count
+    above = (draft_survival(logits, tokens) >= cutoff).long().sum(dim=1)  # a prefix: the product only falls
+    return torch.minimum(count, above + 1)
+
+
+def cut_draft(draft: Draft, cutoff: float | None) -> Draft:
+    """``draft`` with each row's count cut by ``cut_count`` and its columns trimmed to the longest row's (one host
+    read), so the verification call feeds no draft that cannot be verified."""
+    if cutoff is None or draft.logits is None:
+        return draft
+    count = cut_count(draft.logits, draft.tokens, draft.count, cutoff)
+    width = min(draft.tokens.shape[1], max(int(count.max()), 1))
+    return Draft(draft.tokens[:, :width], draft.logits[:, :width], count, draft.independent)
 
 
 def independent_drafts(window_logits: torch.Tensor, mask_id: int, temperature: float,

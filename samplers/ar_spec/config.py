@@ -25,6 +25,9 @@ def _check_drafter(values: dict[str, Any], model) -> None:
     if values.get("draft_confidence") is not None and not (isinstance(drafter, str) and drafter == "head"):
         raise ValueError("draft_confidence is EAGLE-2's dynamic draft length for drafter='head'; got drafter="
                          f"{drafter if isinstance(drafter, str) else type(drafter).__name__!r}")
+    if values.get("draft_cutoff") is not None and isinstance(drafter, str) and drafter == "ngram":
+        raise ValueError("draft_cutoff reads the drafter's probabilities of its drafts; the 'ngram' drafter proposes "
+                         "point masses: use a model or head drafter, or draft_cutoff=None")
     if isinstance(drafter, Drafter):
         return  # a ready proposer (samplers/ar_spec/drafters.py states its contract); ar_spec uses it as it is
     if drafter == "head" or values.get("draft_head") is not None:
@@ -80,4 +83,8 @@ class ArSpecConfig(ArConfig):
     draft_candidates: int = option(AR_SPEC["draft_candidates"], int_at_least(1), "int")
     # tree: where unsure
     candidates_below: float | None = option(AR_SPEC["candidates_below"], number(0.0, 1.0, optional=True), "float")
+    # adaptive k: a row's drafts end where the drafter's estimate that they all survive falls below it
+    # (samplers/drafting.py); drafters that give logits only
+    draft_cutoff: float | None = option(AR_SPEC["draft_cutoff"], number(0.0, 1.0, low_open=True, optional=True),
+                                        "float")
     CHECKS: ClassVar[tuple] = (_check_drafter, _check_tree)

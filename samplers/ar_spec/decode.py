@@ -50,7 +50,7 @@ from dllm.protocols import capabilities, is_diffusion_model
 from dllm.stats import DecodeStats, StepEvent
 from dllm.stops import emitted_until_stop, fill_token, is_stop
 
-from ..drafting import Draft, more_candidates
+from ..drafting import Draft, cut_draft, more_candidates
 from ..sessions import Caller, check_logits, rollback_cache, use_cache
 from ..verify import Continuations, Noise, rejection_sample, tree_path
 from .drafters import CausalDrafter, DiffusionDrafter, DraftContext, Drafter, NgramDrafter, append_at_lengths
@@ -93,13 +93,15 @@ def ar(
 def ar_spec(
     model, prompt, gen_length, *, temperature, generator, stats: DecodeStats, drafter="ngram",
     num_draft_tokens=4, max_ngram=3, draft_head=None, draft_confidence=None, draft_candidates=1,
-    candidates_below=None, cache="auto", attention_mask=None, eos_token_id=None, callback=None,
+    candidates_below=None, draft_cutoff=None, cache="auto", attention_mask=None, eos_token_id=None, callback=None,
 ) -> torch.Tensor:
     """Speculative decoding against the causal target ``model`` -> [B, P + N].
 
     ``draft_candidates`` > 1 verifies a draft tree: at every depth the chain's draft and that many - 1
     further candidates drawn without replacement from the same draft law (``_tree_rows``); with
-    ``candidates_below``, only at depths whose draft has a (temperature-1) probability below it."""
+    ``candidates_below``, only at depths whose draft has a (temperature-1) probability below it.
+    ``draft_cutoff``: k per row and round, the drafts ending where the drafter's own survival estimate falls
+    below it (``samplers/drafting.py: cut_draft``)."""
     batch, prompt_len = prompt.shape
     total = prompt_len + gen_length
     seq = _buffer(prompt, gen_length, eos_token_id)
@@ -109,7 +111,7 @@ def ar_spec(
     rows = torch.arange(batch, device=prompt.device)
     kv = rollback_cache(model) if use_cache(cache, model) else None  # holds [0, min(len) - 1) of every row
     proposer = _make_drafter(drafter, Caller(drafter, stats, attention_mask=full_mask, draft=True), cache, max_ngram,
-                             prompt_len, draft_head, model, draft_confidence)
+                             prompt_len, draft_head, model, draft_confidence, draft_cutoff)
     features = None  # [B, P + N, D] the target's features at every position fed so far, for a drafter that wants them
     while rows.numel():
         length = lengths[rows]
@@ -119,6 +121,7 @@ def ar_spec(
         draft = proposer.propose(seq[rows], length, num_draft_tokens,
                                  DraftContext(rows, num_drafts, temperature, generator, model.vocab_size,
                                               *(context or (None, None))))
+        draft = cut_draft(draft, draft_cutoff)
         drafts, num_drafts = draft.tokens, draft.count
         tree = {}
         if draft_candidates > 1:  # the tree's other candidates, and the target after each of them
@@ -190,14 +193,14 @@ def _full_mask(attention_mask, batch: int, length: int, device) -> torch.Tensor 
 
 
 def _make_drafter(drafter, caller: Caller, cache: str, max_ngram: int, prompt_len: int, draft_head=None,
-                  target=None, confidence=None) -> Drafter:
+                  target=None, confidence=None, cutoff=None) -> Drafter:
     """The ``drafter`` option as a Drafter (samplers/ar_spec/drafters.py), chosen once so the loop never dispatches."""
     if isinstance(drafter, Drafter):
         return drafter
     if drafter == "head" or draft_head is not None:  # trained heads: samplers/ar_spec/heads.py
         block = None if isinstance(drafter, str) else _block_size(drafter)
         kv = rollback_cache(drafter) if block and use_cache(cache, drafter) else None
-        return head_drafter(drafter, draft_head, target, caller, block, prompt_len, kv, confidence)
+        return head_drafter(drafter, draft_head, target, caller, block, prompt_len, kv, confidence, cutoff)
     if isinstance(drafter, str):
         return NgramDrafter(max_ngram)
     if not is_diffusion_model(drafter):

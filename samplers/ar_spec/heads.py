@@ -33,7 +33,7 @@ from dllm.models.ar_heads import (
 from dllm.numerics import bind_rows, sample_from_logits
 from dllm.protocols import capabilities, is_diffusion_model
 
-from ..drafting import Draft
+from ..drafting import Draft, draft_survival
 from .drafters import DiffusionDrafter, Drafter, block_draft_logits, diffusion_draft_logits
 
 
@@ -53,6 +53,8 @@ class EagleDrafter(Drafter):
     # (at temperature 1) below this; None: always k. The rule reads the drafter's own draws only, so
     # verification stays exact (a draft count chosen by the drafter is a stopping time of its own sampling).
     confidence: float | None = None
+    # draft_cutoff (samplers/drafting.py): the head's steps stop once every row's survival estimate is below it
+    cutoff: float | None = None
 
     wants_features = True
 
@@ -69,15 +71,23 @@ class EagleDrafter(Drafter):
         after = (lengths[:, None] - width + torch.arange(width, device=sequences.device)).clamp(min=0)
         features = ctx.features.to(next(self.head.parameters()).dtype)
         unsure = []  # per step [R]: the draft's probability is below ``confidence``
+        survival = []  # per step [R]: the drafts so far all survive, by the head's own estimate
 
         def done(step_logits, step_drafts):
-            unsure.append(_unsure(step_logits[:, : ctx.vocab_size], step_drafts, self.confidence))
-            return unsure[-1]
+            finished = torch.zeros_like(step_drafts, dtype=torch.bool)
+            if self.confidence is not None:
+                unsure.append(_unsure(step_logits[:, : ctx.vocab_size], step_drafts, self.confidence))
+                finished = unsure[-1]
+            if self.cutoff is not None:
+                own = draft_survival(step_logits[:, None, : ctx.vocab_size], step_drafts[:, None])[:, 0]
+                survival.append(own * survival[-1] if survival else own)
+                finished = finished | (survival[-1] < self.cutoff)
+            return finished
 
         with torch.no_grad():
             logits, tokens = feature_draft(self.head, self.target, features, sequences[rows[:, None], after],
                                          ctx.feature_valid, k, lambda step: _sample(step[:, : ctx.vocab_size], ctx),
-                                         None if self.confidence is None else done)
+                                         None if self.confidence is None and self.cutoff is None else done)
         logits, count = logits[..., : ctx.vocab_size].float(), ctx.num_drafts
         if unsure:
             unsure = torch.stack(unsure, dim=1)
@@ -122,14 +132,15 @@ def _unsure(logits: torch.Tensor, drafts: torch.Tensor, confidence: float) -> to
     return torch.softmax(logits.float(), -1).gather(-1, drafts[..., None]).squeeze(-1) < confidence
 
 
-def head_drafter(drafter, draft_head, target, caller, block_size, prompt_len, kv, confidence=None) -> Drafter:
+def head_drafter(drafter, draft_head, target, caller, block_size, prompt_len, kv, confidence=None,
+                 cutoff=None) -> Drafter:
     """The Drafter for ``drafter="head"`` (an EAGLE or DFlash head on ``target``; ``confidence``: its dynamic draft
     length) or a diffusion ``drafter`` with a repair ``draft_head``; ``draft_head`` a head module or folder
     (None: the shipped EAGLE head)."""
     if isinstance(drafter, str):
         head = draft_head if draft_head is not None else DEFAULT_EAGLE
         check_head(head, FEATURE_KINDS, target)
-        return EagleDrafter(load_head(head, dtype=_dtype(target)), target, confidence)
+        return EagleDrafter(load_head(head, dtype=_dtype(target)), target, confidence, cutoff)
     check_head(draft_head, "repair", drafter)
     return RepairDrafter(caller, block_size, prompt_len, kv, head=load_head(draft_head, dtype=_dtype(drafter)))
 

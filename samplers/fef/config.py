@@ -96,6 +96,9 @@ class FefConfig(SequentialConfig):
     # the most token positions (inputs x length) one forward holds: the verification call of W copies runs in
     # parts of whole copies, bounding the forward's activations at a real width (same answer, more forwards)
     call_tokens: int | None = option(FEF["call_tokens"], optional_int(1), "int")
+    # adaptive windows: a row's drafts end where the drafter's estimate that they all survive (the product of its
+    # probabilities of its drafts) falls below it; None: every round drafts the whole window (samplers/drafting.py)
+    draft_cutoff: float | None = option(FEF["draft_cutoff"], number(0.0, 1.0, low_open=True, optional=True), "float")
     CHECKS: ClassVar[tuple] = (_check_verifier, _check_draft_head, _check_fef_tree, _say_window_capped)
 
     @property

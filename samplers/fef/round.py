@@ -45,6 +45,7 @@ from dllm.stats import DecodeStats
 
 from ..canvas import Band, View, write_at
 from ..order import choose_window, pick_next
+from ..drafting import cut_count
 from ..verify import Noise, rejection_sample, tree_path
 from .sources import HeadDrafts, MarginalDrafts, StaleDrafts
 from .trees import CopyTree
@@ -71,6 +72,9 @@ class FefStepper:
     draft_candidates: int
     candidates_below: float | None
     call_tokens: int | None  # the most token positions one forward holds: the copies call runs in parts
+    # adaptive windows: a row's drafts end where the drafter's own survival estimate falls below it
+    # (samplers/drafting.py: cut_count); None: the whole window
+    draft_cutoff: float | None = None
 
     def __post_init__(self) -> None:  # the source is chosen once, not per round
         head = FEF_HEAD if self.draft_head is None else self.draft_head
@@ -97,18 +101,27 @@ class FefStepper:
         x, mask_id = view.x, view.mask_token_id
         rows = torch.arange(x.shape[0], device=x.device)
         slots, count = choose_window(self.order, draft_logits, band.candidates(view, x), mask_id, self.window)
-        drafts, window_logits = self.source.sample(view, draft_logits, slots, self.temperature, generator)
+        drafts, window_logits = self.source.sample(view, draft_logits, slots, self.temperature, generator,
+                                                   self.draft_cutoff)
+        counts = None  # each row's drafts, when the host knows them
+        if self.draft_cutoff is not None:  # adaptive window: one host read sizes the round's call
+            count = cut_count(window_logits, drafts, count, self.draft_cutoff)
+            counts = count.tolist()
+            width = min(drafts.shape[1], max(max(counts, default=0), 1))
+            slots, drafts, window_logits = slots[:, :width], drafts[:, :width], window_logits[:, :width]
+        elif view.masked is not None:
+            counts = [min(slots.shape[1], m) for m in view.masked]
         tree = CopyTree.grow(self.source, drafts, window_logits, count, self.draft_candidates - 1,
                               self.candidates_below, self.temperature, generator,
                               skip_first=draft_is_state) if self.draft_candidates > 1 else None
 
         positions = band.positions(slots)  # view positions, where the copies reveal drafts
-        total = None if view.masked is None else sum(min(slots.shape[1], m) + 1 - draft_is_state for m in view.masked)
+        total = None if counts is None else sum(c + 1 - draft_is_state for c in counts)
         copies, copy_index, row_of = _build_copies(x, positions, drafts, count, draft_is_state, total)
         if tree is not None:  # the branches' copies join the call
             copies, row_of = tree.add_copies(x, positions, count, copies, row_of)
-        most = None if view.masked is None or tree is not None else \
-            max(min(slots.shape[1], m) + 1 - draft_is_state for m in view.masked)  # copies of one row (host)
+        most = None if counts is None or tree is not None else \
+            max(c + 1 - draft_is_state for c in counts)  # copies of one row (host)
         copy_logits = view.call(copies, row_of, at=band.at(row_of), **({} if most is None else {"most": most}))
         if tree is not None:  # the branch copies' logits and picks stay with the tree; the chain's go on
             chain = copies.shape[0] - tree.size

@@ -18,7 +18,7 @@ from dllm.models.draft_head import DraftHead
 from dllm.numerics import bind_rows, forbid_token, sample_from_logits
 
 from ..canvas import Band
-from ..drafting import independent_drafts
+from ..drafting import draft_survival, independent_drafts
 from ..order import read_band
 
 
@@ -49,11 +49,12 @@ class MarginalDrafts:
         the new state."""
 
     def sample(self, view, draft_logits: torch.Tensor, positions: torch.Tensor, temperature: float,
-               generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """Drafts at the window ``positions`` [R, W] (slots of the band) -> (tokens [R, W], the logits they were
-        drawn from [R, W, V], mask token forbidden). Here independent draws from ``draft_logits`` [R, K, V]; a
-        source that conditions draft j on drafts 0..j-1 (a draft head) overrides this and stays exact as long as
-        it returns the very logits it sampled from."""
+               generator: torch.Generator, cutoff: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Drafts at the window ``positions`` [R, W] (slots of the band) -> (tokens [R, W'], the logits they were
+        drawn from [R, W', V], mask token forbidden). Here independent draws from ``draft_logits`` [R, K, V], all
+        W; a source that conditions draft j on drafts 0..j-1 (a draft head) overrides this and stays exact as long
+        as it returns the very logits it sampled from, and may stop early (W' < W) once every row's drafts fall
+        below ``cutoff`` (``samplers/drafting.py: cut_count``)."""
         rows = torch.arange(positions.shape[0], device=positions.device)
         return independent_drafts(draft_logits[rows[:, None], positions], view.mask_token_id, temperature, generator)
 
@@ -113,15 +114,15 @@ class HeadDrafts(MarginalDrafts):
 
     @torch.no_grad()
     def sample(self, view, draft_logits: torch.Tensor, positions: torch.Tensor, temperature: float,
-               generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """Head drafts at ``positions`` [R, W] (slots of the band) -> (tokens [R, W], the logits each was drawn
-        from [R, W, V])."""
+               generator: torch.Generator, cutoff: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Head drafts at ``positions`` [R, W] (slots of the band) -> (tokens [R, W'], the logits each was drawn
+        from [R, W', V]; W' < W when every row fell below ``cutoff`` first)."""
         rows = torch.arange(positions.shape[0], device=positions.device)
         features = self.features[rows[:, None], positions]  # [R, W, D]
         base = draft_logits[rows[:, None], positions]  # [R, W, V]
         offsets = positions - torch.cat([positions[:, :1], positions[:, :-1]], dim=1)  # s_j - s_{j-1}
         self.inputs = (features, base, torch.zeros_like(positions[:, 0]), offsets, view.mask_token_id)
-        return head_drafts(self.head, *self.inputs[:4], temperature, generator, view.mask_token_id)
+        return head_drafts(self.head, *self.inputs[:4], temperature, generator, view.mask_token_id, cutoff=cutoff)
 
     @torch.no_grad()
     def redraft(self, which: torch.Tensor, forced: torch.Tensor, temperature: float,
@@ -136,7 +137,8 @@ class HeadDrafts(MarginalDrafts):
 @torch.no_grad()
 def head_drafts(head: DraftHead, features: torch.Tensor, base: torch.Tensor, first: torch.Tensor,
                 offsets: torch.Tensor, temperature: float, generator: torch.Generator,
-                mask_id: int | None, forced: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                mask_id: int | None, forced: torch.Tensor | None = None,
+                cutoff: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Draft a window in W head steps, each sampled before the next reads it (fef and the two-stream
     samplers share this loop) -> (tokens [R, W], the logits each was drawn from [R, W, V]).
 
@@ -144,13 +146,15 @@ def head_drafts(head: DraftHead, features: torch.Tensor, base: torch.Tensor, fir
     token (read only by a ``condition_first`` head); offsets [R, W] (slot 0 likewise). One draw per row and
     slot with the per-row generators, as ``independent_drafts`` draws. ``forced`` [R, W] (-1: draw): the
     token a slot takes instead of its draw (a draft tree's branch, drafted after the path it follows); the
-    draw is made all the same, so a row's random stream does not depend on what was forced.
+    draw is made all the same, so a row's random stream does not depend on what was forced. ``cutoff``: the
+    steps stop once no row's ``draft_survival`` is still at least it (those drafts would be cut: fewer head steps,
+    W' < W columns; one host read per step).
     """
     rows = torch.arange(features.shape[0], device=features.device)
     if next(head.parameters()).device != features.device:
         head = head.to(features.device)
     steps = head.start(features, forbid_token(base, mask_id))  # one cached head step per slot
-    tokens, drawn, token = torch.zeros_like(offsets), [], first
+    tokens, drawn, token, survival = torch.zeros_like(offsets), [], first, None
     for j in range(offsets.shape[1]):
         logits = steps.next(token, offsets[:, j])  # base forbids the mask token: so does the step's sum
         token = sample_from_logits(logits, temperature, bind_rows(generator, rows))
@@ -158,4 +162,8 @@ def head_drafts(head: DraftHead, features: torch.Tensor, base: torch.Tensor, fir
             token = torch.where(forced[:, j] >= 0, forced[:, j], token)
         tokens[:, j] = token
         drawn.append(logits)
-    return tokens, torch.stack(drawn, dim=1)
+        if cutoff is not None:
+            survival = draft_survival(logits[:, None], token[:, None])[:, 0] * (1.0 if survival is None else survival)
+            if not bool((survival >= cutoff).any()):
+                break
+    return tokens[:, : len(drawn)], torch.stack(drawn, dim=1)

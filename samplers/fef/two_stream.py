@@ -47,7 +47,7 @@ from dllm.protocols import capabilities
 from dllm.stats import DecodeStats, StepEvent
 
 from ..canvas import Canvas
-from ..drafting import Draft, independent_drafts, more_candidates
+from ..drafting import Draft, cut_count, independent_drafts, more_candidates
 from ..order import choose_window, top1_probability
 from ..verify import Continuations, Noise, rejection_sample, tree_path
 from .sources import head_drafts
@@ -84,14 +84,16 @@ class _Decoding:
 def decode(model, prompt, gen_length, *, temperature, generator, stats: DecodeStats, order: str, window: int,
            block_length: int, cache: str = "auto", attention_mask=None, eos_token_id=None, callback=None,
            sampler: str = "sequential", draft_head=None, draft_candidates: int = 1,
-           candidates_below: float | None = None) -> torch.Tensor:
+           candidates_below: float | None = None, draft_cutoff: float | None = None) -> torch.Tensor:
     """Decode ``gen_length`` tokens after ``prompt`` [B, P] -> [B, P + N]; window 0 is ``sequential``.
 
     ``draft_head`` (a ``DraftHead`` with ``condition_first``): drafts come from it, step j reading the
     stored query features and logits at s_j and the token before (the last round's correction at step 0),
     in W head steps and no extra call; None drafts the stored query logits independently.
     ``draft_candidates`` > 1 (left to right): a draft tree (``_Tree``), siblings (each with its branch) only where
-    the draft's temperature-1 probability is below ``candidates_below`` when given."""
+    the draft's temperature-1 probability is below ``candidates_below`` when given. ``draft_cutoff``: adaptive
+    windows, each row's drafts ending where the drafter's own survival estimate falls below it
+    (``samplers/drafting.py: cut_count``; the call then feeds only the longest row's drafts)."""
     if draft_candidates > 1 and order != "left_to_right":
         raise ValueError(f"draft_candidates={draft_candidates}: draft trees on a two-stream model run left to right; "
                          f"got order={order!r}")
@@ -112,7 +114,8 @@ def decode(model, prompt, gen_length, *, temperature, generator, stats: DecodeSt
         in_block[start:end] = True
         while (rows := canvas.rows_in_block(block)).numel():
             info = two_stream_round(state, rows, in_block, temperature, bind_rows(generator, rows), stats,
-                                    order=order, window=window, tree=(draft_candidates, candidates_below))
+                                    order=order, window=window, tree=(draft_candidates, candidates_below),
+                                    cutoff=draft_cutoff)
             canvas.stop_at_eos(rows)
             state.cache.compact(min_unused=0.25)  # rejected drafts pile up within a long block
             if callback is not None:
@@ -121,7 +124,8 @@ def decode(model, prompt, gen_length, *, temperature, generator, stats: DecodeSt
 
 
 def two_stream_round(state: _Decoding, rows, in_block, temperature, generator, stats: DecodeStats, *,
-                     order: str, window: int, tree: tuple[int, float | None] = (1, None)) -> dict:
+                     order: str, window: int, tree: tuple[int, float | None] = (1, None),
+                     cutoff: float | None = None) -> dict:
     """One draft-verify-reveal round (or one sequential step) for ``rows`` [R]; see the module docstring.
     ``tree`` = (draft_candidates, candidates_below): with more than one candidate, a draft tree (``_Tree``)."""
     x, mask_id = state.canvas.x[rows], state.mask_id
@@ -129,7 +133,7 @@ def two_stream_round(state: _Decoding, rows, in_block, temperature, generator, s
     index = torch.arange(n, device=x.device)
     candidates = (x == mask_id) & in_block[None, :]  # [R, L]
     positions, count, drafts, window_logits, redraft = _drafts(state, rows, candidates, temperature, generator,
-                                                               order, window)
+                                                               order, window, cutoff)
     width = positions.shape[1]
     branches = _Tree.grow(drafts, window_logits, count, positions, candidates, window, *tree, temperature,
                           generator, redraft) if tree[0] > 1 and width else None
@@ -387,10 +391,10 @@ def _exclusive_cumsum(counts: torch.Tensor) -> torch.Tensor:
     return counts.cumsum(dim=1) - counts
 
 
-def _drafts(state, rows, candidates, temperature, generator, order, window):
+def _drafts(state, rows, candidates, temperature, generator, order, window, cutoff=None):
     """Window positions [R, W], counts [R], drafts [R, W], the logits they were drawn from [R, W, V], and with a
     head ``redraft(index, forced)``: its drafts for rows ``index`` [k] of these along forced paths (a draft
-    tree's branches; else None)."""
+    tree's branches; else None). ``cutoff``: counts cut by ``cut_count`` and W trimmed to the longest row's."""
     n = rows.numel()
     if not window or state.draft_logits is None:
         empty = torch.zeros((n, 0), dtype=torch.long, device=rows.device)
@@ -404,20 +408,33 @@ def _drafts(state, rows, candidates, temperature, generator, order, window):
     if state.head is None:
         drafts, window_logits = independent_drafts(draft_logits[index[:, None], positions], state.mask_id,
                                                    temperature, generator)
-        return positions + start, count, drafts, window_logits, None
+        return *_cut(positions + start, count, drafts, window_logits, cutoff), None
     # The head: step 0 reads the last emitted token (the pending correction, which the window's queries
     # did not see, or else the last accepted draft) and its offset.
     columns = positions + start
     before = torch.cat([state.last_col[rows, None], columns[:, :-1]], dim=1)
     inputs = (state.draft_features[rows[:, None], positions], draft_logits[index[:, None], positions],
               state.last_tok[rows], columns - before)
-    drafts, window_logits = head_drafts(state.head, *inputs, temperature, generator, state.mask_id)
+    drafts, window_logits = head_drafts(state.head, *inputs, temperature, generator, state.mask_id, cutoff=cutoff)
+    columns, count, drafts, window_logits = _cut(columns, count, drafts, window_logits, cutoff)
+    width = columns.shape[1]
+    inputs = (inputs[0][:, :width], inputs[1][:, :width], inputs[2], inputs[3][:, :width])
 
     def redraft(which, forced):
         return head_drafts(state.head, *(t[which] for t in inputs), temperature, bind_rows(generator, which),
                            state.mask_id, forced=forced)
 
     return columns, count, drafts, window_logits, redraft
+
+
+def _cut(columns, count, drafts, window_logits, cutoff):
+    """The adaptive window: counts cut by the drafter's survival estimate (``cut_count``), every tensor trimmed to
+    the longest row's drafts (one host read; the head may have stopped early already)."""
+    if cutoff is None or not columns.shape[1]:
+        return columns, count, drafts, window_logits
+    count = cut_count(window_logits, drafts, count.clamp(max=drafts.shape[1]), cutoff)
+    width = min(drafts.shape[1], max(int(count.max()), 1))
+    return columns[:, :width], count, drafts[:, :width], window_logits[:, :width]
 
 
 def _queries(x, candidates, positions, count, order, window, mask_id):
@@ -523,4 +540,4 @@ def layout(model, options: dict):
         head = load_draft_head(default_draft_head(model) if options["draft_head"] is None else options["draft_head"])
     return functools.partial(decode, order=options["order"], window=options["window"], sampler="fef", draft_head=head,
                              draft_candidates=options["draft_candidates"],
-                             candidates_below=options["candidates_below"])
+                             candidates_below=options["candidates_below"], draft_cutoff=options["draft_cutoff"])
