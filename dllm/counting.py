@@ -6,17 +6,21 @@
 - ``CountingModel`` wraps a model (plain, cached and structured calls) for a caller outside the samplers:
   bench counts through it.
 - ``count_calls`` hooks a module: native loops (a checkpoint's own ``generate``) are counted that way.
+- ``ModelClock`` (given to ``CountingModel``) adds up the wall time inside the calls, target and drafter apart:
+  bench's clocked pass divides it by the pass's time for a round's non-model share.
   Adapters build a ``NativeLoop`` (their loop plus the modules it calls); ``samplers/baselines/native.py`` runs it.
 """
 
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from dllm.numerics import synchronize
 from dllm.stats import DecodeStats
 
 ROUND_RULES = ("steps", "tokens", "calls")
@@ -38,25 +42,57 @@ def structured_tokens(length: int, width: int) -> int:
     return length + 2 * width + 1
 
 
+class ModelClock:
+    """Wall time spent inside model calls, the target's and the drafter's apart (``seconds[draft]``).
+
+    The device is synchronised before and after each call, so queued work lands in the call that queued it (on
+    a GPU this slows the pass it clocks: bench clocks a pass of its own, never a timed one). A call made while
+    another is being clocked (a wrapper around a wrapper) counts once."""
+
+    def __init__(self):
+        self.seconds = {False: 0.0, True: 0.0}
+        self._inside = False
+
+    def __call__(self, draft: bool, device, method, *args, **kwargs):
+        if self._inside:
+            return method(*args, **kwargs)
+        synchronize(device)
+        start, self._inside = time.perf_counter(), True
+        try:
+            out = method(*args, **kwargs)
+            synchronize(device)
+        finally:
+            self._inside = False
+            self.seconds[draft] += time.perf_counter() - start
+        return out
+
+
 class CountingModel:
     """``model`` with every call reported to ``record(Call)``; answers and capabilities unchanged.
 
     Capabilities are forwarded only when the model has them, so whatever is discovered on the wrapper is
     what the model declares. ``served=`` (a sampler's count of sequences a call serves) is taken off the
-    keyword arguments before the model sees them.
+    keyword arguments before the model sees them. ``clock`` (a ``ModelClock``): each call is timed too.
     """
 
-    def __init__(self, model, record: Callable[[Call], None], draft: bool = False):
+    def __init__(self, model, record: Callable[[Call], None], draft: bool = False, clock: ModelClock | None = None):
         object.__setattr__(self, "_parts", (model, record, draft))
+        object.__setattr__(self, "_clock", clock)
         self.__wrapped__ = model  # messages name the model, not this wrapper (inspect.unwrap)
+
+    def _run(self, method, ids, *args, **kwargs):
+        """``method(ids, *args, **kwargs)``, through the clock when there is one."""
+        if self._clock is None:
+            return method(ids, *args, **kwargs)
+        return self._clock(self._parts[2], ids.device, method, ids, *args, **kwargs)
 
     def __call__(self, input_ids, *args, served: int | None = None, **kwargs):
         model, record, draft = self._parts
         record(Call(input_ids.shape[0], input_ids.shape[1], 0, draft, served))
-        return model(input_ids, *args, **kwargs)
+        return self._run(model, input_ids, *args, **kwargs)
 
     def __getattr__(self, name: str):
-        if name.startswith("__") or name == "_parts":
+        if name.startswith("__") or name in ("_parts", "_clock"):
             raise AttributeError(name)
         attr = getattr(self._parts[0], name)
         if name == "forward_cached":
@@ -71,17 +107,17 @@ class CountingModel:
         """A two-stream call (dllm/models/two_stream.py): content plus query tokens per input."""
         tokens = content_ids.shape[1] + query_pos.shape[1]
         self._parts[1](Call(content_ids.shape[0], tokens, cache.length if cache is not None else 0, self._parts[2]))
-        return method(content_ids, content_pos, content_valid, query_pos, *args, cache=cache, **kwargs)
+        return self._run(method, content_ids, content_pos, content_valid, query_pos, *args, cache=cache, **kwargs)
 
     def _cached(self, method, input_ids, cache, *args, served: int | None = None, **kwargs):
         _, record, draft = self._parts
         record(Call(input_ids.shape[0], input_ids.shape[1], cache.length, draft, served))
-        return method(input_ids, cache, *args, **kwargs)
+        return self._run(method, input_ids, cache, *args, **kwargs)
 
     def _structured(self, method, input_ids, positions, *args, cache=None, **kwargs):
         tokens = structured_tokens(input_ids.shape[1], positions.shape[1])
         self._parts[1](Call(input_ids.shape[0], tokens, cache.length if cache is not None else 0, self._parts[2]))
-        return method(input_ids, positions, *args, cache=cache, **kwargs)
+        return self._run(method, input_ids, positions, *args, cache=cache, **kwargs)
 
 
 @dataclass(frozen=True)

@@ -118,12 +118,14 @@ def test_batches_sort_by_length_and_left_pad():
 
 def test_repeats_interleave_configurations_round_robin(monkeypatch):
     calls = []
-    monkeypatch.setattr(bench, "run_pass", lambda run, batches, settings, log=None, on_batch=None: calls.append(
-        (run.config.name, log is not None)) or (1.0, []))
+    monkeypatch.setattr(bench, "run_pass", lambda run, batches, settings, log=None, on_batch=None, clock=None:
+                        calls.append((run.config.name, log is not None, clock is not None)) or (1.0, []))
     runs = [bench.Prepared(bench.parse_config(f"name={n};model=m;sampler=ar"), None, {}, 0.0) for n in "abc"]
-    _, times = bench.time_study(runs, [], bench.Settings(repeats=3, warmup=2), progress=lambda _: None)
-    recorded, rest = calls[:3], [name for name, _ in calls[3:]]
-    assert recorded == [("a", True), ("b", True), ("c", True)]
+    profiles, times = bench.time_study(runs, [], bench.Settings(repeats=3, warmup=2), progress=lambda _: None)
+    recorded, rest = calls[:6], [name for name, _, _ in calls[6:]]
+    # each configuration's recorded pass, then its clocked pass (model time; never timed)
+    assert recorded == [(n, log, not log) for n in "abc" for log in (True, False)]
+    assert profiles["a"][1].clocked == (1.0, {False: 0.0, True: 0.0})
     assert rest == list("abc") + list("abc") + list("bca") + list("cab")  # warm-up, then rotating repeats
     assert times == {n: [1.0] * 3 for n in "abc"}
 
@@ -163,6 +165,11 @@ def test_study_writes_every_field(study):
     assert by_name["fef w4"]["acceptance_per_position"] and by_name["fef w4"]["options"]["block_length"] == 4
     assert by_name["llada 2/step"]["options"]["steps"] == 4
     assert "| fef w4 |" in (out / "results.md").read_text()
+    for run in results["runs"]:  # the clocked pass splits each configuration's wall time
+        shares = run["model_share"]
+        assert 0 < shares["target"] < 1 and 0 < run["non_model_share"] < 1, run["name"]
+        assert abs(shares["target"] + shares["draft"] + run["non_model_share"] - 1) < 1e-9
+        assert (shares["draft"] > 0) == (run["nfe_draft"] > 0), run["name"]
 
 
 def test_recorded_call_shapes_match_the_counters(study):
@@ -182,7 +189,8 @@ def test_configurations_see_the_same_prompts(study):
 
 def test_plots_are_written(study):
     out, results = study
-    assert results["plots"] == ["pareto.png", "tokens_per_call.png", "acceptance.png", "acceptance_entropy.png"]
+    assert results["plots"] == ["pareto.png", "tokens_per_call.png", "acceptance.png", "acceptance_entropy.png",
+                                "speed.png"]
     for name in results["plots"]:
         data = (out / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
@@ -277,9 +285,9 @@ def test_interrupted_repeats_keep_what_every_configuration_finished(monkeypatch)
     """An interrupt in repeat 2 reports repeat 1 for everyone; one before any full repeat propagates."""
     passes = []
 
-    def run_pass(run, batches, settings, log=None, on_batch=None):
+    def run_pass(run, batches, settings, log=None, on_batch=None, clock=None):
         passes.append(run.config.name)
-        if len(passes) == 3 + 3 + 2:  # recorded x3, repeat 1 x3, then the second pass of repeat 2
+        if len(passes) == 6 + 3 + 2:  # recorded and clocked x3, repeat 1 x3, then the second pass of repeat 2
             raise KeyboardInterrupt
         return 1.0, []
 
@@ -289,6 +297,6 @@ def test_interrupted_repeats_keep_what_every_configuration_finished(monkeypatch)
     assert times == {n: [1.0] for n in "abc"}
     passes.clear()
     monkeypatch.setattr(bench, "run_pass", lambda *a, **k: passes.append(1) or (
-        (_ for _ in ()).throw(KeyboardInterrupt) if len(passes) == 4 else (1.0, [])))
+        (_ for _ in ()).throw(KeyboardInterrupt) if len(passes) == 7 else (1.0, [])))
     with pytest.raises(KeyboardInterrupt):
         bench.time_study(runs, [], bench.Settings(repeats=3, warmup=1), progress=lambda _: None)

@@ -20,6 +20,10 @@ round-robin over configurations with a rotating start, so drift on a shared mach
 alike. A pass is the sum over batches of wall time around ``generate`` (device synchronised before and
 after on GPUs). Reported: medians and min/max over repeats, and speedups as the median of per-repeat
 ratios to the baseline measured in the same repeat (absolute times drift; ratios measured together hold).
+A clocked pass per configuration (untimed, after its recorded pass) adds up the wall time inside the target's
+and the drafter's model calls (``dllm.counting.ModelClock``, the device synchronised around each call):
+``model_share`` (target, draft) and ``non_model_share``, the rest of the pass (draft heads' steps, the
+verification rule, the round's bookkeeping and Python), the share a faster round can still cut.
 The recorded pass also keeps, for every draft the verification tested (fef, ar_spec), the target's entropy
 there and whether the draft was accepted (``dllm.stats.EntropyAcceptance``): results.json's
 ``acceptance_vs_entropy`` (linear fit, bins), a table in results.md and ``acceptance_entropy.png``; and it
@@ -56,7 +60,7 @@ import torch
 
 import dllm
 from dllm.cli import UserError, check_device
-from dllm.counting import Call, CountingModel
+from dllm.counting import Call, CountingModel, ModelClock
 from dllm.defaults import DTYPE, DTYPES, TEMPERATURE, resolve_dtype
 from dllm.eval.runner import group_by_length, padding_problem, parse_value
 from dllm.eval.study import cost_model
@@ -385,6 +389,7 @@ class CallLog:
         self.syncs: Counter = Counter()  # synchronising op -> count, over the recorded generate calls
         self.steps = 0  # their loop steps (DecodeStats.steps)
         self.counting: SyncCount | None = None  # the counter of the generate call running now
+        self.clocked: tuple[float, dict[bool, float]] | None = None  # the clocked pass: (seconds, in model calls)
 
     def observe(self, event) -> None:
         """The recording callback: each tested draft's entropy, whose reads are the bench's, not the decode's."""
@@ -408,13 +413,19 @@ class CallLog:
                 for (r, n, t, c), k in sorted(self.counts.items())]
 
 
-def run_pass(run: Prepared, batches: list[Batch], settings: Settings, log: CallLog | None = None, on_batch=None):
+def run_pass(run: Prepared, batches: list[Batch], settings: Settings, log: CallLog | None = None, on_batch=None,
+             clock: ModelClock | None = None):
     """Decode every batch once -> (seconds summed over the generate calls, outputs).
 
     Batch i is seeded with seed + i for every configuration and repeat: the same noise everywhere.
-    ``on_batch()`` is called after each batch, outside the timed region (progress bars).
+    ``on_batch()`` is called after each batch, outside the timed region (progress bars). ``clock``: the time
+    inside model calls is added up there (the clocked pass).
     """
     model, options = run.model, dict(run.options)
+    if clock is not None:
+        model = CountingModel(model, lambda call: None, clock=clock)
+        if "drafter" in options and not isinstance(options["drafter"], str):
+            options["drafter"] = CountingModel(options["drafter"], lambda call: None, draft=True, clock=clock)
     if log is not None:
         model = CountingModel(model, log.record)
         if run.config.sampler != "native":  # the checkpoint's own loop takes no callback (and verifies nothing)
@@ -490,6 +501,10 @@ def time_study(runs: list[Prepared], batches: list[Batch], settings: Settings, p
             seconds, outputs = run_pass(run, batches, settings, log, on_batch=shown.update)
         profiles[run.config.name] = (outputs, log)
         progress(f"  recorded {run.config.name} ({seconds:.2f} s)")
+        clock = ModelClock()
+        with bar(len(batches), f"  clocking {run.config.name}") as shown:
+            seconds, _ = run_pass(run, batches, settings, on_batch=shown.update, clock=clock)
+        log.clocked = (seconds, dict(clock.seconds))
     for _ in range(settings.warmup - 1):
         list(_passes(runs, batches, settings, bar, "  warm-up"))
     times: dict[str, list[float]] = {run.config.name: [] for run in runs}
@@ -570,7 +585,17 @@ def summarize(run: Prepared, outputs, log: CallLog, seconds: list[float], texts,
         "examples": texts[:2], "call_shapes": log.to_list(), "needs": needs,
         "acceptance_vs_entropy": log.drafts.fit() if log.drafts.entropy else None,
         "syncs_per_step": log.syncs_per_step, "syncs_by_op": dict(log.syncs.most_common()),
+        **_shares(log.clocked),
     }
+
+
+def _shares(clocked: tuple[float, dict[bool, float]] | None) -> dict:
+    """The clocked pass's split of wall time: inside the target's and the drafter's calls, and the rest."""
+    if clocked is None or clocked[0] <= 0:
+        return {"model_share": None, "non_model_share": None}
+    seconds, inside = clocked
+    target, draft = inside[False] / seconds, inside[True] / seconds
+    return {"model_share": {"target": target, "draft": draft}, "non_model_share": max(0.0, 1.0 - target - draft)}
 
 
 def _jsonable(options: dict) -> dict:
@@ -664,8 +689,9 @@ def _study(configs: list[RunConfig], settings: Settings, aliases: dict[str, str]
         "models": {name: str(store.path(name)) for name in store.loaded},
         "prompts": {"source": prompts.source, "count": len(prompts.ids), "scored": prompts.task is not None,
                     "mean_length": statistics.fmean(len(p) for p in prompts.ids)},
-        "timing": "median over repeats of the summed wall time of generate calls; warm-up and the recorded pass "
-                  "excluded; configurations interleaved round-robin; speedup = median per-repeat ratio",
+        "timing": "median over repeats of the summed wall time of generate calls; warm-up, the recorded and the "
+                  "clocked pass excluded; configurations interleaved round-robin; speedup = median per-repeat ratio; "
+                  "model_share and non_model_share from the clocked pass",
         "repeats_completed": repeats_done, "interrupted": repeats_done < settings.repeats,
         "runs": entries,
     }

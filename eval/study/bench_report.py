@@ -15,7 +15,8 @@ COLUMNS = (  # (header, key, format) of the printed and markdown tables
     ("NFE", "nfe", "{}"), ("NFE draft", "nfe_draft", "{}"), ("fwd tok/tok", "forward_tokens_per_token", "{:.1f}"),
     ("tok/call", "tokens_per_call", "{:.2f}"), ("tok/row-call", "tokens_per_row_call", "{:.2f}"),
     ("acc. len", "mean_acceptance_length", "{:.2f}"), ("tau", "tokens_per_draft_round", "{:.2f}"),
-    ("accuracy", "accuracy", "{:.3f}"), ("syncs/step", "syncs_per_step", "{:.1f}"),
+    ("non-model", "non_model_share", "{:.0%}"), ("accuracy", "accuracy", "{:.3f}"),
+    ("syncs/step", "syncs_per_step", "{:.1f}"),
 )
 
 
@@ -266,15 +267,51 @@ def entropy_figure(plt, runs: list[dict]):
     return fig
 
 
+def speed_figure(plt, runs: list[dict]):
+    """The speed study side by side, one row per configuration: the speed-up, tokens per round, forward tokens per
+    generated token (the drafter's stacked on the target's) and where the wall time goes (the target's calls,
+    the drafter's, the rest: the round's non-model share, from the clocked pass)."""
+    fig, axes = plt.subplots(1, 4, figsize=(15, 0.32 * len(runs) + 1.8), sharey=True)
+    names = [r["name"] for r in runs]
+    colours = [plt.get_cmap("tab10")(list(SAMPLERS).index(r["sampler"]) % 10) for r in runs]
+    axes[0].barh(names, [r["speedup"] for r in runs], color=colours,
+                 xerr=[[r["speedup"] - r["speedup_min"] for r in runs], [r["speedup_max"] - r["speedup"] for r in runs]])
+    axes[0].axvline(1.0, color="black", linewidth=0.8)
+    axes[0].set_xlabel("speed-up over the baseline (min-max of repeats)")
+    axes[1].barh(names, [r["mean_acceptance_length"] for r in runs], color=colours)
+    axes[1].set_xlabel("tokens per round (per row)")
+    axes[2].barh(names, [r["forward_tokens_per_token"] for r in runs], color=colours, label="target")
+    axes[2].barh(names, [r["forward_tokens_draft_per_token"] for r in runs], color="white", edgecolor="black",
+                 hatch="//", left=[r["forward_tokens_per_token"] for r in runs], label="drafter")
+    axes[2].set_xlabel("forward tokens per generated token")
+    axes[2].legend(fontsize=8)
+    shares = [r.get("model_share") or {"target": 0.0, "draft": 0.0} for r in runs]
+    target = [s["target"] for s in shares]
+    draft = [s["draft"] for s in shares]
+    axes[3].barh(names, target, color="tab:blue", label="target calls")
+    axes[3].barh(names, draft, left=target, color="tab:orange", label="drafter calls")
+    axes[3].barh(names, [r.get("non_model_share") or 0.0 for r in runs], left=[t + d for t, d in zip(target, draft)],
+                 color="tab:gray", label="non-model")
+    axes[3].set_xlim(0, 1)
+    axes[3].set_xlabel("share of wall time (clocked pass)")
+    axes[3].legend(fontsize=8)
+    axes[0].invert_yaxis()
+    for ax in axes:
+        ax.grid(alpha=0.3, axis="x")
+    fig.tight_layout()
+    return fig
+
+
 def write_plots(runs: list[dict], folder: Path) -> list[str]:
     plt = cost_model.pyplot()
     if plt is None:
         return []
     # pareto: accuracy against tokens/s with the front; tokens_per_call: tokens per row-call and forward tokens
     # per generated token; acceptance: P(drafts 0..j accepted | j proposed) by window position; acceptance_entropy:
-    # acceptance against the target's entropy
+    # acceptance against the target's entropy; speed: speed-up, tokens per round, forward tokens per token and the
+    # non-model share side by side
     plots = {"pareto.png": pareto_figure, "tokens_per_call.png": calls_figure, "acceptance.png": acceptance_figure,
-             "acceptance_entropy.png": entropy_figure}
+             "acceptance_entropy.png": entropy_figure, "speed.png": speed_figure}
     for name, figure in plots.items():
         fig = figure(plt, runs)
         fig.savefig(folder / name, dpi=120)

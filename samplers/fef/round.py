@@ -101,8 +101,9 @@ class FefStepper:
         x, mask_id = view.x, view.mask_token_id
         rows = torch.arange(x.shape[0], device=x.device)
         slots, count = choose_window(self.order, draft_logits, band.candidates(view, x), mask_id, self.window)
-        drafts, window_logits = self.source.sample(view, draft_logits, slots, self.temperature, generator,
-                                                   self.draft_cutoff)
+        # a source written before draft_cutoff existed (no cutoff parameter) still runs without one
+        cut = {} if self.draft_cutoff is None else {"cutoff": self.draft_cutoff}
+        drafts, window_logits = self.source.sample(view, draft_logits, slots, self.temperature, generator, **cut)
         counts = None  # each row's drafts, when the host knows them
         if self.draft_cutoff is not None:  # adaptive window: one host read sizes the round's call
             count = cut_count(window_logits, drafts, count, self.draft_cutoff)
