@@ -130,12 +130,13 @@ class DraftHead(nn.Module):
             logits[..., self.config.mask_token_id] = float("-inf")
         return logits
 
-    def start(self, features: Tensor, base_logits: Tensor) -> HeadSteps:
+    def start(self, features: Tensor, base_logits: Tensor, compiled: bool = False) -> HeadSteps:
         """Draft a window step by step: ``start(features [R, W, D], base_logits [R, W, V]).next(previous [R],
         offset [R]) -> logits [R, V]`` for steps 0, 1, ... in turn, each attending to the earlier steps' cached
-        keys and values: ``forward``'s logits on the prefix, at one step's cost instead of the prefix's."""
+        keys and values: ``forward``'s logits on the prefix, at one step's cost instead of the prefix's.
+        ``compiled``: each step runs through ``torch.compile`` (CUDA graphs on a GPU; see ``HeadSteps``)."""
         self.check_backbone(base_logits.shape[-1], features.shape[-1])
-        return HeadSteps(self, features, base_logits)
+        return HeadSteps(self, features, base_logits, compiled)
 
     def save_pretrained(self, folder: str | Path) -> None:
         """Write ``config.json`` (with kind) and ``model.safetensors`` to ``folder``."""
@@ -164,23 +165,37 @@ class HeadSteps:
     ``nn.TransformerEncoderLayer`` has no key/value cache, and re-running it on each prefix costs W passes of
     PyTorch call overhead per step. The arithmetic is the layer's own (pre-norm attention, then pre-norm
     GELU MLP, on its weights); tests/test_fef_head.py checks the logits equal ``forward``'s.
+
+    Shapes are static within a window: each layer's keys and values live in a [R, H, W, dim / H] buffer that
+    step j writes at slot j, and step j attends to slots 0..j through a mask (the masked slots weigh exactly
+    nothing). So every step of a window of W is the same tensor program (``_head_step``), which
+    ``compiled=True`` hands to ``torch.compile`` once per (rows, W) bucket (``mode="reduce-overhead"``, CUDA
+    graphs, on a GPU). Off by default: on the 2-core CPU of docs/measurements.md a compiled step is slower than
+    the eager one (the step is a few small matmuls; the compiled call's guards cost more than the fusion saves).
     """
 
-    def __init__(self, head: DraftHead, features: Tensor, base_logits: Tensor):
+    def __init__(self, head: DraftHead, features: Tensor, base_logits: Tensor, compiled: bool = False):
         config = head.config
         self.config, self.j, self.base = config, 0, base_logits.float()
-        steps = torch.arange(features.shape[1], device=features.device).clamp(max=config.max_window - 1)
+        rows, width = features.shape[:2]
+        steps = torch.arange(width, device=features.device).clamp(max=config.max_window - 1)
         with torch.no_grad():
             self.inputs = head.feature_in(features.to(head.feature_in.weight.dtype)) + head.step_in(steps)[None]
         # The weights as plain tensors: a step is ~30 small ops, and module calls would double its cost.
         self.token_in, self.offset_in = head.token_in.weight, head.offset_in.weight
-        self.layers = [(layer.norm1, layer.self_attn.in_proj_weight, layer.self_attn.in_proj_bias,
-                        layer.self_attn.out_proj.weight, layer.self_attn.out_proj.bias, layer.norm2,
-                        layer.linear1.weight, layer.linear1.bias, layer.linear2.weight, layer.linear2.bias)
-                       for layer in head.layers]
-        self.norm, self.out = head.norm, (head.out.weight, head.out.bias)
-        self.keys: list[Tensor | None] = [None] * len(self.layers)
-        self.values: list[Tensor | None] = [None] * len(self.layers)
+        self.weights = tuple((layer.norm1.weight, layer.norm1.bias, layer.self_attn.in_proj_weight,
+                              layer.self_attn.in_proj_bias, layer.self_attn.out_proj.weight,
+                              layer.self_attn.out_proj.bias, layer.norm2.weight, layer.norm2.bias,
+                              layer.linear1.weight, layer.linear1.bias, layer.linear2.weight, layer.linear2.bias)
+                             for layer in head.layers) + ((head.norm.weight, head.norm.bias, *_out_parts(head)),)
+        heads = config.n_heads
+        shape = (rows, heads, width, config.dim // heads)
+        self.keys = tuple(self.inputs.new_zeros(shape) for _ in head.layers)
+        self.values = tuple(self.inputs.new_zeros(shape) for _ in head.layers)
+        slots = torch.arange(width, device=features.device)
+        self.slot = (slots[:, None] == slots[None, :]).view(width, 1, 1, width, 1)  # step j writes slot j
+        self.seen = (slots[None, :] <= slots[:, None]).view(width, 1, 1, 1, width)  # and reads slots <= j
+        self.step = _compiled_step(features.device) if compiled else _head_step
 
     @torch.no_grad()
     def next(self, previous: Tensor, offset: Tensor) -> Tensor:
@@ -189,32 +204,52 @@ class HeadSteps:
         config, j = self.config, self.j
         if j >= self.inputs.shape[1]:
             raise IndexError(f"the window has {self.inputs.shape[1]} steps; step {j} asked")
-        h = self.inputs[:, j]
         later = j > 0 or config.condition_first
         if later:
             limit = config.max_offset
-            h = h + self.token_in[previous.clamp(min=0)] + self.offset_in[offset.clamp(-limit, limit) + limit]
-        rows, heads = h.shape[0], config.n_heads
-        for index, (norm1, w_qkv, b_qkv, w_o, b_o, norm2, w_1, b_1, w_2, b_2) in enumerate(self.layers):
-            y = F.layer_norm(h, norm1.normalized_shape, norm1.weight, norm1.bias, norm1.eps)
-            q, k, v = F.linear(y, w_qkv, b_qkv).reshape(rows, 3, heads, 1, -1).unbind(1)  # [R, H, 1, dim / H]
-            if self.keys[index] is not None:
-                k = torch.cat([self.keys[index], k], dim=2)
-                v = torch.cat([self.values[index], v], dim=2)
-            self.keys[index], self.values[index] = k, v
-            h = h + F.linear(F.scaled_dot_product_attention(q, k, v).reshape(rows, -1), w_o, b_o)
-            y = F.layer_norm(h, norm2.normalized_shape, norm2.weight, norm2.bias, norm2.eps)
-            h = h + F.linear(F.gelu(F.linear(y, w_1, b_1)), w_2, b_2)
-        if later:
-            norm = self.norm
-            y = F.layer_norm(h, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
-            logits = self.base[:, j] + F.linear(y, *self.out).float()
-        else:
+            h = self.inputs[:, j] + self.token_in[previous.clamp(min=0)] \
+                + self.offset_in[offset.clamp(-limit, limit) + limit]
+            correction, self.keys, self.values = self.step(h, self.keys, self.values, self.slot[j], self.seen[j],
+                                                           self.weights, config.n_heads)
+            logits = self.base[:, j] + correction.float()
+        else:  # step 0 of a block-diffusion head: the marginal itself (its keys and values still feed step 1)
+            _, self.keys, self.values = self.step(self.inputs[:, 0], self.keys, self.values, self.slot[0],
+                                                  self.seen[0], self.weights, config.n_heads)
             logits = self.base[:, j].clone()
         if config.mask_token_id is not None and config.mask_token_id < logits.shape[-1]:
             logits[:, config.mask_token_id] = float("-inf")
         self.j += 1
         return logits
+
+
+def _out_parts(head: DraftHead) -> tuple[Tensor, Tensor]:
+    return head.out.weight, head.out.bias
+
+
+def _head_step(h: Tensor, keys: tuple, values: tuple, slot: Tensor, seen: Tensor, weights: tuple, heads: int):
+    """One head step on static shapes: the step's input h [R, dim], each layer's key/value buffers
+    [R, H, W, dim / H] (this step's written at ``slot`` [1, 1, W, 1], slots ``seen`` [1, 1, 1, W] attended)
+    -> (the correction to the base logits [R, V], the new buffers)."""
+    rows = h.shape[0]
+    new_keys, new_values = [], []
+    *layers, (norm_w, norm_b, out_w, out_b) = weights
+    for (n1w, n1b, w_qkv, b_qkv, w_o, b_o, n2w, n2b, w_1, b_1, w_2, b_2), k_buf, v_buf in zip(layers, keys, values):
+        y = F.layer_norm(h, n1w.shape, n1w, n1b)
+        q, k, v = F.linear(y, w_qkv, b_qkv).reshape(rows, 3, heads, 1, -1).unbind(1)  # [R, H, 1, dim / H]
+        k_buf, v_buf = torch.where(slot, k, k_buf), torch.where(slot, v, v_buf)
+        new_keys.append(k_buf)
+        new_values.append(v_buf)
+        h = h + F.linear(F.scaled_dot_product_attention(q, k_buf, v_buf, attn_mask=seen).reshape(rows, -1), w_o, b_o)
+        y = F.layer_norm(h, n2w.shape, n2w, n2b)
+        h = h + F.linear(F.gelu(F.linear(y, w_1, b_1)), w_2, b_2)
+    return F.linear(F.layer_norm(h, norm_w.shape, norm_w, norm_b), out_w, out_b), tuple(new_keys), tuple(new_values)
+
+
+@lru_cache(maxsize=None)
+def _compiled_step(device: torch.device):
+    """``_head_step`` through ``torch.compile`` (static shapes; CUDA graphs on a GPU), built once per device type."""
+    mode = "reduce-overhead" if torch.device(device).type == "cuda" else None
+    return torch.compile(_head_step, dynamic=False, mode=mode)
 
 
 def load_draft_head(value: str | Path | DraftHead, device: str | torch.device | None = None) -> DraftHead:
