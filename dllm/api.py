@@ -101,7 +101,8 @@ def generate(
         stats.new_tokens = int(answer_lengths(sequences[:, input_ids.shape[1] :], stop_ids).sum())
     shown = config.values()
     if shown.get("drafter") is not None and not isinstance(shown["drafter"], str):
-        shown["drafter"] = type(shown["drafter"]).__name__
+        named = options.get("drafter", spec.preferred(model, options).get("drafter"))  # a drafter given by name
+        shown["drafter"] = named if isinstance(named, str) else type(shown["drafter"]).__name__
     return GenerateOutput(sequences, stats, sampler, shown, config.exact, seed)
 
 

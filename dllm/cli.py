@@ -189,9 +189,10 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
                    help=f"fef (default), or for diffusion models {others}; for causal models "
                         f"{', '.join(by_kind['causal'])}; for either {', '.join(by_kind['any'])} (the checkpoint's own "
                         "loop)")
-    p.add_argument("--drafter", help="ar_spec drafter: 'ngram', a model folder or a shipped model's name (default "
-                   "with the shipped AR model: ar_diffusion_drafter, the shipped diffusion model distilled toward "
-                   "it, 8 drafts per round; the shipped causal drafter is 'drafter')")
+    p.add_argument("--drafter", help="ar_spec drafter: 'ngram', 'head', a model folder or a shipped model's name "
+                   "(default: the model's own measured default, its sampler_defaults.json: with the shipped AR model "
+                   "ar_diffusion_drafter, the shipped diffusion model distilled toward it, 8 drafts per round; else "
+                   "'ngram'; the shipped causal drafter is 'drafter')")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=TEMPERATURE, help=f"0 is greedy (default {TEMPERATURE})")
     p.add_argument("--seed", type=int, default=0)
@@ -233,10 +234,10 @@ def _generate(args: argparse.Namespace) -> int:
     tokenizer = model.tokenizer
     if tokenizer is None:
         raise UserError(f"--model {path}: the checkpoint has no tokenizer, and dllm generate takes text")
-    if args.sampler == "ar_spec" and "drafter" not in options:
-        options["drafter"] = _drafter(args, model)
-        if args.drafter is None and args.model is None and not isinstance(options["drafter"], str):
-            options.setdefault("num_draft_tokens", 8)  # the shipped diffusion drafters' best measured (README)
+    if args.sampler == "ar_spec" and "drafter" not in options and args.drafter is not None:
+        # without --drafter, the model's own measured default drafts (its sampler_defaults.json: the shipped AR
+        # model names ar_diffusion_drafter with 8 drafts a round), as in generate and dllm bench; else n-grams
+        options["drafter"] = _drafter(args)
     elif args.drafter is not None:
         raise UserError(f"--drafter is for --sampler ar_spec, got --sampler {args.sampler}")
     if args.prompt is None:  # said once the model is there to decode it (a failure before stays one line)
@@ -299,18 +300,10 @@ def _load(path: str, flag: str, kind: str, device, dtype):
     return model
 
 
-def _drafter(args, model):
-    if args.drafter == "ngram":
-        return "ngram"
-    if args.drafter is not None:
-        return _load(args.drafter, "--drafter", "auto", args.device, args.dtype)
-    # With the shipped AR model, the shipped diffusion model distilled toward it drafts (README, "ar_spec
-    # heads": the same cost per round as the plain diffusion model, fewer rounds); the plain one if absent.
-    if args.model is None:
-        for shipped in (DEFAULTS["ar_diffusion_drafter"], DEFAULTS["diffusion"]):
-            if shipped.exists():
-                return _load(str(shipped), "--drafter", "auto", args.device, args.dtype)
-    return "ngram"
+def _drafter(args):
+    if args.drafter in ("ngram", "head"):
+        return args.drafter
+    return _load(args.drafter, "--drafter", "auto", args.device, args.dtype)
 
 
 def _format_prompt(args, tokenizer, default_model: bool) -> str:

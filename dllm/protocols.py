@@ -171,6 +171,19 @@ def _positive_int(value) -> int | None:
     return value if value > 0 else None
 
 
+def sampler_defaults_record(table: dict | None, where: str) -> tuple:
+    """A model's table of measured settings, ``{sampler: {option: value, "when": {option: value}}}`` (a folder's
+    ``sampler_defaults.json`` or a two-stream marker), as ``Capabilities.sampler_defaults``; a ValueError naming
+    ``where`` when it is not such a table."""
+    table = table or {}
+    if not isinstance(table, dict) or not all(isinstance(v, dict) and isinstance(v.get("when", {}), dict)
+                                              for v in table.values()):
+        raise ValueError(f"{where}: sampler_defaults must map sampler names to option tables (with an optional "
+                         f"\"when\" table of conditions), got {table!r}")
+    return tuple((name, option, value, tuple(values.get("when", {}).items()))
+                 for name, values in table.items() for option, value in values.items() if option != "when")
+
+
 def capabilities(model: object) -> Capabilities:
     """The model's declared record (its ``capabilities`` attribute), else one derived from its attributes."""
     declared = getattr(model, "capabilities", None)

@@ -64,11 +64,11 @@ class SamplerSpec:
         if unknown:
             raise TypeError(f"unknown option(s) {unknown} for sampler {self.name!r}; "
                             f"allowed: {sorted(self.options) + ['callback']}")
-        merged = {**self._preferred(model, given), **{k: v for k, v in given.items() if k != "callback"}}
+        merged = {**self.preferred(model, given), **{k: v for k, v in given.items() if k != "callback"}}
         config = self.config(**merged)
         return config.validate(model, max_new_tokens)
 
-    def _preferred(self, model, given: Mapping[str, Any]) -> dict[str, Any]:
+    def preferred(self, model, given: Mapping[str, Any]) -> dict[str, Any]:
         """The model's measured-fastest settings for this sampler (``Capabilities.sampler_defaults``) whose
         conditions hold for the caller's options (or their defaults), less those the caller overrides: a
         caller's ``draft`` drops a declared ``draft_head`` too."""

@@ -71,8 +71,30 @@ def test_ar_spec_default_drafts_with_the_shipped_diffusion_model(capsys, monkeyp
     out = json.loads(capsys.readouterr().out)
     assert out["options"]["num_draft_tokens"] == 8 and out["exact"] is True
     assert out["stats"]["nfe_draft"] == out["stats"]["nfe"]  # one drafter call per round: the diffusion model
-    # the shipped diffusion model distilled toward the AR target (its card: fewer rounds at the same cost)
-    assert ("--drafter", str(cli.DEFAULTS["ar_diffusion_drafter"])) in loaded
+    # the shipped diffusion model distilled toward the AR target (its card: fewer rounds at the same cost), named by
+    # the AR model's sampler_defaults.json: the command loads only the model, generate the drafter it names
+    assert out["options"]["drafter"] == "ar_diffusion_drafter" and loaded == [("--model", str(cli.DEFAULTS["ar"]))]
+
+
+def test_one_ar_spec_default_everywhere():
+    """generate, dllm generate (above) and dllm bench draft with the same default: the AR model's declared one."""
+    import torch
+
+    import dllm
+    from dllm.eval.study import bench
+    from dllm.models.loading import load
+
+    model = load("ar", dtype=torch.float32)
+    prompt = torch.tensor([model.tokenizer.encode("Question: Tom has 3 apples and buys 4 more. How many?\nAnswer:")])
+    out = dllm.generate(model, prompt, sampler="ar_spec", max_new_tokens=8, temperature=0.0)
+    assert out.options["drafter"] == "ar_diffusion_drafter" and out.options["num_draft_tokens"] == 8
+    assert out.stats.nfe_draft == out.stats.nfe
+    store = bench.ModelStore(dict(bench.DEFAULT_MODELS), torch.device("cpu"), torch.float32, None)
+    run = bench.prepare(bench.parse_config("name=a;model=ar;sampler=ar_spec"), store, bench.Settings())
+    assert run.config.drafter == "ar_diffusion_drafter" and run.options["drafter"] is store.get("ar_diffusion_drafter")
+    explicit = bench.prepare(bench.parse_config("name=b;model=ar;sampler=ar_spec;drafter=ngram"), store,
+                             bench.Settings())
+    assert explicit.options["drafter"] == "ngram"  # a drafter the caller names wins
 
 
 def test_bad_input_is_one_line_naming_the_parameter(capsys):

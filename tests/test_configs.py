@@ -104,3 +104,25 @@ def test_generate_reports_the_configs_exactness():
     for options in ({}, {"cache": "prefix"}, {"verifier": "structured"}):
         out = dllm.generate(model, prompt, max_new_tokens=4, generator=torch.Generator().manual_seed(0), **options)
         assert out.exact is FefConfig(**options).exact, options
+
+
+def test_a_checkpoint_declares_its_measured_defaults_in_sampler_defaults_json(tmp_path):
+    """A TransformerLM folder's sampler_defaults.json is read back, applied where the caller sets nothing, and a
+    malformed one is refused naming the file."""
+    import torch
+
+    import dllm
+    from dllm.models.transformer import TransformerConfig, TransformerLM
+
+    model = TransformerLM(TransformerConfig(vocab_size=8, dim=16, n_layers=1, n_heads=2, max_seq_len=32))
+    model.sampler_defaults = {"ar_spec": {"num_draft_tokens": 3, "max_ngram": 2}}
+    model.save_pretrained(tmp_path / "m")
+    loaded = TransformerLM.from_pretrained(tmp_path / "m")
+    assert set(loaded.capabilities.sampler_defaults) == {("ar_spec", "num_draft_tokens", 3, ()),
+                                                          ("ar_spec", "max_ngram", 2, ())}
+    prompt = torch.tensor([[1, 2, 3]])
+    out = dllm.generate(loaded, prompt, sampler="ar_spec", max_new_tokens=4, temperature=0.0, num_draft_tokens=2)
+    assert out.options["num_draft_tokens"] == 2 and out.options["max_ngram"] == 2  # the caller's value wins
+    (tmp_path / "m" / "sampler_defaults.json").write_text('{"ar_spec": 3}')
+    with pytest.raises(ValueError, match="sampler_defaults.json"):
+        TransformerLM.from_pretrained(tmp_path / "m")

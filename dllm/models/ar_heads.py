@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .checkpoint import load_saved
@@ -243,6 +244,7 @@ def eagle_draft(head: EagleHead, backbone, features: Tensor, tokens: Tensor, val
     feature, logits, drafts = norm(out), [], []
     keep = valid[:, None, None, :]
     finished = torch.zeros(rows, dtype=torch.bool, device=tokens.device)
+    steps = _EagleSteps(head, embed, norm, keys, values, keep, k) if _EagleSteps.applies(head) else None
     for j in range(k):
         logits.append(project(feature[:, 0]))
         drafts.append(pick(logits[-1]))
@@ -250,12 +252,75 @@ def eagle_draft(head: EagleHead, backbone, features: Tensor, tokens: Tensor, val
             finished |= done(logits[-1], drafts[-1])
         if j == k - 1 or bool(finished.all()):
             break
+        if steps is not None:
+            feature = steps.next(feature, drafts[-1])
+            continue
         step_mask = torch.cat([keep, keep.new_ones((rows, 1, 1, j + 1))], dim=-1)
         at = torch.full((rows, 1), width + j, device=tokens.device)
         out, k_new, v_new = head(feature, embed(drafts[-1])[:, None], at, step_mask, (keys, values))
         keys, values = torch.cat([keys, k_new], dim=2), torch.cat([values, v_new], dim=2)
         feature = norm(out)
     return torch.stack(logits, dim=1), torch.stack(drafts, dim=1)
+
+
+class _EagleSteps:
+    """``eagle_draft``'s steps after the context call, written out for inference (no gradient): the head's own
+    arithmetic on plain tensors (fuse, pre-norm attention with rotary positions, SwiGLU, the target's final norm),
+    its keys and values in one buffer of C + k slots that step j writes at slot C + j and reads through a mask.
+
+    Why by hand: a step is one token through one layer, about forty small operations, and the module path
+    (module calls, einops rearranges, a growing ``torch.cat`` of the keys per step) costs more than the arithmetic
+    on a CPU. ``tests/test_ar_heads.py`` holds ``eagle_draft`` to the training path's logits either way."""
+
+    @staticmethod
+    def applies(head) -> bool:
+        """Inference on a plain EAGLE layer (no gradient; no q/k norms, grouped heads or experts: the module path)."""
+        if torch.is_grad_enabled() or not isinstance(head, EagleHead):
+            return False
+        attn = head.block.attn
+        return not attn.qk_norm and attn.n_kv_heads == attn.n_heads and isinstance(head.block.mlp, _SwiGLU)
+
+    def __init__(self, head: EagleHead, embed, norm, keys: Tensor, values: Tensor, keep: Tensor, k: int):
+        rows, heads, context, size = keys.shape
+        self.embed, self.norms, self.fuse, self.target_norm = embed.weight, head.norms, head.fuse.weight, norm
+        block = head.block
+        self.block, self.heads = block, heads
+        self.keys = keys.new_zeros((rows, heads, context + k, size))
+        self.values = values.new_zeros((rows, heads, context + k, size))
+        self.keys[:, :, :context], self.values[:, :, :context] = keys, values
+        slots = torch.arange(k, device=keys.device)
+        self.masks = torch.cat([keep.expand(rows, 1, k, context),
+                                (slots[None, :] <= slots[:, None]).expand(rows, 1, k, k)], dim=-1)  # [R, 1, k, C + k]
+        cos, sin = head.rotary(torch.arange(context, context + k, device=keys.device)[None])
+        self.cos, self.sin = cos.expand(rows, -1, -1), sin.expand(rows, -1, -1)  # [R, k, R/2]
+        self.context, self.j = context, 0
+
+    def next(self, feature: Tensor, token: Tensor) -> Tensor:
+        """The head's next output feature (final-normed) [R, 1, D] from the last one [R, 1, D] and the token just
+        drafted [R]."""
+        j, block, attn = self.j, self.block, self.block.attn
+        rows = token.shape[0]
+        pair = torch.cat([_rms(feature[:, 0], self.norms[0]), _rms(F.embedding(token, self.embed), self.norms[1])], -1)
+        x = F.linear(pair, self.fuse)  # [R, D]
+        qkv = F.linear(_rms(x, block.attn_norm), attn.wqkv.weight, attn.wqkv.bias)
+        q, k, v = qkv.view(rows, 3, self.heads, 1, -1).unbind(1)  # [R, H, 1, Dh]
+        cos, sin = self.cos[:, j : j + 1], self.sin[:, j : j + 1]
+        at = self.context + j
+        self.keys[:, :, at], self.values[:, :, at] = _apply_rotary(k, cos, sin)[:, :, 0], v[:, :, 0]
+        out = F.scaled_dot_product_attention(_apply_rotary(q, cos, sin), self.keys, self.values,
+                                             attn_mask=self.masks[:, :, j : j + 1])
+        x = x + attn.wo(out.reshape(rows, -1))
+        gate, up = F.linear(_rms(x, block.mlp_norm), block.mlp.w13.weight).chunk(2, dim=-1)
+        x = x + F.linear(F.silu(gate) * up, block.mlp.w2.weight)
+        self.j += 1
+        return _rms(x, self.target_norm)[:, None]
+
+
+def _rms(x: Tensor, norm: _RMSNorm) -> Tensor:
+    """``norm(x)`` without the module call, float32 inside as ``_RMSNorm`` (``F.rms_norm`` is several times slower
+    on a CPU for one token: it decomposes into more ops)."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + norm.eps)).to(x.dtype) * norm.weight
 
 
 def eagle_train_logits(head: EagleHead, backbone, features: Tensor, tokens: Tensor, valid: Tensor,

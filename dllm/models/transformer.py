@@ -33,11 +33,12 @@ from torch import Tensor, nn
 
 from dllm.models.cache import KVCache
 from dllm.numerics import positions_from_mask
-from dllm.protocols import Capabilities, gather_positions
+from dllm.protocols import Capabilities, gather_positions, sampler_defaults_record
 
 LAYOUTS = ("causal", "bidirectional", "block_causal")
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+DEFAULTS_NAME = "sampler_defaults.json"  # optional: the settings measured fastest on the checkpoint
 
 
 def _check_positive_int(name: str, value: Any) -> None:
@@ -687,6 +688,9 @@ class TransformerLM(nn.Module):
         if config.layout == "block_causal":  # samplers then pass block_offset (see dllm.protocols)
             self.block_size = config.block_size
         self.eos_token_id, self.pad_token_id = config.eos_token_id, config.pad_token_id
+        # {sampler: {option: value, "when": {...}}} measured fastest on this checkpoint (its sampler_defaults.json;
+        # Capabilities.sampler_defaults), applied where the caller sets nothing
+        self.sampler_defaults: dict[str, dict] = {}
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(_Block(config, index) for index in range(config.n_layers))
         self.norm = _RMSNorm(config.dim, config.norm_eps)
@@ -735,7 +739,8 @@ class TransformerLM(nn.Module):
                             block_size=self.config.block_size, cache=True, cache_exact=self.cache_exact,
                             cache_crop=True, cache_drop=True, commits_prefix=True, structured_verify=True,
                             hidden_states=True, tree_attention=self.layout == "causal", logits_at=True,
-                            packs_copies=not self.config.shift_logits)
+                            packs_copies=not self.config.shift_logits,
+                            sampler_defaults=sampler_defaults_record(self.sampler_defaults, DEFAULTS_NAME))
 
     @property
     def cache_exact(self) -> bool:
@@ -1080,6 +1085,8 @@ class TransformerLM(nn.Module):
         if self.config.tie_embeddings:
             del state["output.weight"]  # safetensors refuses shared storage; re-tied on load
         save_file(state, str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
+        if self.sampler_defaults:
+            (folder / DEFAULTS_NAME).write_text(json.dumps(self.sampler_defaults, indent=2) + "\n")
 
     @classmethod
     def from_pretrained(
@@ -1087,8 +1094,15 @@ class TransformerLM(nn.Module):
     ) -> TransformerLM:
         """Load a model saved by ``save_pretrained``; dtype None keeps the saved dtype. Built on the meta device and
         filled tensor by tensor from the memory-mapped file (``dllm.models.checkpoint.load_saved``), so loading peaks
-        near the weights' size, not at a random-initialised model plus the whole state dict."""
+        near the weights' size, not at a random-initialised model plus the whole state dict. A
+        ``sampler_defaults.json`` beside the weights gives the settings measured fastest on it."""
         from dllm.models.checkpoint import load_saved
 
         config = TransformerConfig.from_dict(json.loads((Path(folder) / CONFIG_NAME).read_text()))
-        return load_saved(lambda: cls(config), folder, dtype=dtype, device=device).eval()
+        model = load_saved(lambda: cls(config), folder, dtype=dtype, device=device).eval()
+        defaults = Path(folder) / DEFAULTS_NAME
+        if defaults.is_file():
+            table = json.loads(defaults.read_text())
+            sampler_defaults_record(table, str(defaults))  # checked here, where the file is named
+            model.sampler_defaults = table
+        return model

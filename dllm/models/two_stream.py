@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from dllm.models.cache import RevealCache
 from dllm.models.transformer import TransformerLM
 from dllm.numerics import positions_from_mask
-from dllm.protocols import Capabilities
+from dllm.protocols import Capabilities, sampler_defaults_record
 
 MARKER = "two_stream.json"  # beside config.json: the folder holds a TwoStreamLM, not a plain TransformerLM
 
@@ -59,10 +59,8 @@ class TwoStreamLM(nn.Module):
         """Padding, features (draft heads) and the reveal-order cache with its one-pass exact verifier."""
         return Capabilities(accepts_attention_mask=True, context_length=self.config.max_seq_len,
                             block_size=self.block_size, reveal_order_cache=True, one_pass_exact=True,
-                            hidden_states=True, logits_at=True, sampler_defaults=tuple(
-                                (name, option, value, tuple(values.get("when", {}).items()))
-                                for name, values in self.sampler_defaults.items()
-                                for option, value in values.items() if option != "when"))
+                            hidden_states=True, logits_at=True,
+                            sampler_defaults=sampler_defaults_record(self.sampler_defaults, MARKER))
 
     @property
     def context_length(self) -> int:
@@ -145,10 +143,7 @@ class TwoStreamLM(nn.Module):
         marker = Path(folder) / MARKER
         values = json.loads(marker.read_text()) if marker.exists() else {}
         defaults = values.get("sampler_defaults") or {}
-        if not isinstance(defaults, dict) or not all(isinstance(v, dict) and isinstance(v.get("when", {}), dict)
-                                                     for v in defaults.values()):
-            raise ValueError(f"{marker}: sampler_defaults must map sampler names to option tables (with an "
-                             f"optional \"when\" table of conditions), got {defaults!r}")
+        sampler_defaults_record(defaults, str(marker))  # checked here, where the file is named
         return cls(TransformerLM.from_pretrained(folder, device=device, dtype=dtype), values.get("block_size"),
                    defaults).eval()
 

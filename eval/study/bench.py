@@ -52,7 +52,7 @@ import threading
 import time
 import tomllib
 from collections import Counter
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -358,6 +358,12 @@ class Prepared:
 
 def prepare(config: RunConfig, store: ModelStore, settings: Settings) -> Prepared:
     model = store.get(config.model)
+    spec = SAMPLERS[config.sampler]
+    declared = spec.preferred(model, config.options).get("drafter")
+    if isinstance(declared, str) and declared not in ("ngram", "head"):
+        # the model's measured default drafter by name (its sampler_defaults.json): loaded by the study like a
+        # named one, so its calls are counted and clocked as the drafter's
+        config = replace(config, options={**config.options, "drafter": declared})
     options = dict(config.options)
     if config.drafter is not None:
         options["drafter"] = store.get(config.drafter)
@@ -366,7 +372,6 @@ def prepare(config: RunConfig, store: ModelStore, settings: Settings) -> Prepare
             raise ValueError(f"configuration {config.name!r}: tokens_per_step={config.tokens_per_step} must "
                              f"divide max_new_tokens={settings.max_new_tokens}")
         options["steps"] = settings.max_new_tokens // config.tokens_per_step
-    spec = SAMPLERS[config.sampler]
     size = getattr(model, "block_size", None)
     if "block_length" in spec.options and "block_length" not in options and size \
             and settings.max_new_tokens % size == 0:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 from dllm.defaults import SAMPLER_DEFAULTS
@@ -16,7 +18,32 @@ AR = SAMPLER_DEFAULTS["ar"]
 AR_SPEC = SAMPLER_DEFAULTS["ar_spec"]
 
 
-DRAFTER_KINDS = "'ngram', 'head', a CausalModel, a DiffusionModel or a Drafter (samplers/ar_spec/drafters.py)"
+DRAFTER_KINDS = ("'ngram', 'head', a CausalModel, a DiffusionModel, a model folder or shipped model's name, or a "
+                 "Drafter (samplers/ar_spec/drafters.py)")
+
+
+def _load_named_drafter(values: dict[str, Any], model) -> None:
+    """A drafter given by name (a shipped model such as ``"ar_diffusion_drafter"``, or a model folder) is loaded,
+    once per process, on the target's device and in its dtype; so a checkpoint's ``sampler_defaults.json`` can name
+    its measured-fastest drafter and ``generate``, ``dllm generate`` and ``dllm bench`` all draft with it."""
+    drafter = values["drafter"]
+    if not isinstance(drafter, str | Path) or drafter in ("ngram", "head"):
+        return
+    from dllm.models.loading import shipped_or_path
+
+    folder = shipped_or_path(drafter)
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"drafter must be {DRAFTER_KINDS}; {str(drafter)!r} is none of them (no model folder there)")
+    weight = next(iter(getattr(model, "parameters", lambda: iter(()))()), None)
+    device, dtype = (None, None) if weight is None else (weight.device, weight.dtype)
+    values["drafter"] = _loaded(str(folder.resolve()), str(device), dtype)
+
+
+@functools.lru_cache(maxsize=8)
+def _loaded(folder: str, device: str, dtype):
+    from dllm.models.loading import load
+
+    return load(folder, device=None if device == "None" else device, dtype=dtype).eval()
 
 
 def _check_drafter(values: dict[str, Any], model) -> None:
@@ -87,4 +114,4 @@ class ArSpecConfig(ArConfig):
     # (samplers/drafting.py); drafters that give logits only
     draft_cutoff: float | None = option(AR_SPEC["draft_cutoff"], number(0.0, 1.0, low_open=True, optional=True),
                                         "float")
-    CHECKS: ClassVar[tuple] = (_check_drafter, _check_tree)
+    CHECKS: ClassVar[tuple] = (_load_named_drafter, _check_drafter, _check_tree)
