@@ -61,7 +61,8 @@ SAMPLER_DEFAULTS: dict[str, dict[str, object]] = {
              "top_k": 0, "top_p": 1.0},
     "sequential": {"order": "left_to_right"},
     "fef": {"window": FEF_WINDOW, "draft": FEF_DRAFT, "verifier": "copies", "draft_head": None,
-            "draft_candidates": 1, "candidates_below": None, "call_tokens": None, "draft_cutoff": None},
+            "draft_candidates": 1, "candidates_below": None, "call_tokens": None, "draft_cutoff": None,
+            "compile": False},
     "native": {"generate_kwargs": None, "drafter": None},
 }
 

@@ -23,7 +23,7 @@ from .sessions import CACHE_MODES, session_exact
 MASKED = SAMPLER_DEFAULTS["masked"]
 
 
-KINDS = ("int", "float", "str", "dict", "drafter")  # what an option's value is; text is parsed by it
+KINDS = ("int", "float", "str", "dict", "drafter", "bool")  # what an option's value is; text is parsed by it
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,11 @@ class Option:
             return text
         if text.strip().lower() in ("none", "null"):
             return None
+        if self.kind == "bool":
+            word = text.strip().lower()
+            if word not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError(f"{name} expects true or false, got {text!r}")
+            return word in ("true", "1", "yes")
         if self.kind == "dict":
             try:
                 value = json.loads(text)
@@ -133,6 +138,11 @@ def number(low: float, high: float = math.inf, *, low_open: bool = False, option
             interval = f"{'(' if low_open else '['}{low}, {high}]"
             raise ValueError(f"{name} must lie in {interval}, got {value}")
     return check
+
+
+def boolean(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
 
 
 def optional_int(minimum: int):

@@ -10,7 +10,7 @@ from dllm.defaults import SAMPLER_DEFAULTS, default_draft_head
 from dllm.models.draft_head import load_draft_head
 from dllm.protocols import capabilities
 
-from ..options import choice, int_at_least, is_tree, no_check, number, option, optional_int
+from ..options import boolean, choice, int_at_least, is_tree, no_check, number, option, optional_int
 from ..sequential.config import SequentialConfig
 from ..sessions import session_exact
 
@@ -53,6 +53,13 @@ def _check_draft_head(values: dict[str, Any], model) -> None:
                          f"{'two-stream' if loaded.config.condition_first else 'block-diffusion'} layout "
                          f"(condition_first={loaded.config.condition_first}); {type(model).__name__} needs one "
                          f"with condition_first={two_stream}")
+
+
+def _check_compile(values: dict[str, Any], model) -> None:
+    """compile=True compiles the draft head's steps: it needs draft="head"."""
+    if values["compile"] and values["draft"] != "head":
+        raise ValueError(f"compile=True compiles the draft head's steps; it needs draft='head', got "
+                         f"draft={values['draft']!r}")
 
 
 def _check_fef_tree(values: dict[str, Any], model) -> None:
@@ -99,7 +106,10 @@ class FefConfig(SequentialConfig):
     # adaptive windows: a row's drafts end where the drafter's estimate that they all survive (the product of its
     # probabilities of its drafts) falls below it; None: every round drafts the whole window (samplers/drafting.py)
     draft_cutoff: float | None = option(FEF["draft_cutoff"], number(0.0, 1.0, low_open=True, optional=True), "float")
-    CHECKS: ClassVar[tuple] = (_check_verifier, _check_draft_head, _check_fef_tree, _say_window_capped)
+    # draft="head": the head's steps through torch.compile (CUDA graphs on a GPU); off: slower on the measured CPU
+    compile: bool = option(FEF["compile"], boolean, "bool")
+    CHECKS: ClassVar[tuple] = (_check_verifier, _check_draft_head, _check_compile, _check_fef_tree,
+                               _say_window_capped)
 
     @property
     def exact(self) -> bool:

@@ -75,10 +75,12 @@ class FefStepper:
     # adaptive windows: a row's drafts end where the drafter's own survival estimate falls below it
     # (samplers/drafting.py: cut_count); None: the whole window
     draft_cutoff: float | None = None
+    compile: bool = False  # draft="head": the head's steps through torch.compile (dllm.models.draft_head.HeadSteps)
 
     def __post_init__(self) -> None:  # the source is chosen once, not per round
         head = FEF_HEAD if self.draft_head is None else self.draft_head
-        sources = {"stale": StaleDrafts, "head": lambda *a: HeadDrafts(load_draft_head(head), *a)}
+        sources = {"stale": StaleDrafts,
+                   "head": lambda *a: HeadDrafts(load_draft_head(head), *a, compiled=self.compile)}
         self.source = sources.get(self.draft, MarginalDrafts)(self.order, self.window)
         # (view) -> (draft logits [R, K, V] on the round's band, whether they are the model at the state, the band)
         self.logits = self.source.logits

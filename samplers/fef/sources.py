@@ -100,9 +100,9 @@ class StaleDrafts(MarginalDrafts):
 class HeadDrafts(MarginalDrafts):
     """Marginal draft logits from the state call, then drafts from ``head`` over the window."""
 
-    def __init__(self, head: DraftHead, order: str = "left_to_right", window: int = 4):
+    def __init__(self, head: DraftHead, order: str = "left_to_right", window: int = 4, compiled: bool = False):
         super().__init__(order, window)
-        self.head = head
+        self.head, self.compiled = head, compiled
         self.features: torch.Tensor | None = None  # [R, K, D] of the last state call, on its band
         self.inputs: tuple | None = None  # the last window's head inputs (``redraft``)
 
@@ -122,7 +122,8 @@ class HeadDrafts(MarginalDrafts):
         base = draft_logits[rows[:, None], positions]  # [R, W, V]
         offsets = positions - torch.cat([positions[:, :1], positions[:, :-1]], dim=1)  # s_j - s_{j-1}
         self.inputs = (features, base, torch.zeros_like(positions[:, 0]), offsets, view.mask_token_id)
-        return head_drafts(self.head, *self.inputs[:4], temperature, generator, view.mask_token_id, cutoff=cutoff)
+        return head_drafts(self.head, *self.inputs[:4], temperature, generator, view.mask_token_id, cutoff=cutoff,
+                           compiled=self.compiled)
 
     @torch.no_grad()
     def redraft(self, which: torch.Tensor, forced: torch.Tensor, temperature: float,
@@ -138,7 +139,7 @@ class HeadDrafts(MarginalDrafts):
 def head_drafts(head: DraftHead, features: torch.Tensor, base: torch.Tensor, first: torch.Tensor,
                 offsets: torch.Tensor, temperature: float, generator: torch.Generator,
                 mask_id: int | None, forced: torch.Tensor | None = None,
-                cutoff: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                cutoff: float | None = None, compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Draft a window in W head steps, each sampled before the next reads it (fef and the two-stream
     samplers share this loop) -> (tokens [R, W], the logits each was drawn from [R, W, V]).
 
@@ -148,12 +149,12 @@ def head_drafts(head: DraftHead, features: torch.Tensor, base: torch.Tensor, fir
     token a slot takes instead of its draw (a draft tree's branch, drafted after the path it follows); the
     draw is made all the same, so a row's random stream does not depend on what was forced. ``cutoff``: the
     steps stop once no row's ``draft_survival`` is still at least it (those drafts would be cut: fewer head steps,
-    W' < W columns; one host read per step).
+    W' < W columns; one host read per step). ``compiled``: the head's steps through ``torch.compile``.
     """
     rows = torch.arange(features.shape[0], device=features.device)
     if next(head.parameters()).device != features.device:
         head = head.to(features.device)
-    steps = head.start(features, forbid_token(base, mask_id))  # one cached head step per slot
+    steps = head.start(features, forbid_token(base, mask_id), compiled)  # one cached head step per slot
     tokens, drawn, token, survival = torch.zeros_like(offsets), [], first, None
     for j in range(offsets.shape[1]):
         logits = steps.next(token, offsets[:, j])  # base forbids the mask token: so does the step's sum

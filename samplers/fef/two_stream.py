@@ -79,12 +79,14 @@ class _Decoding:
         self.draft_logits: torch.Tensor | None = None  # [B, N, V]
         self.draft_features: torch.Tensor | None = None  # [B, N, D] their query features (with a head)
         self.have = torch.zeros((batch, length), dtype=torch.bool, device=prompt.device)
+        self.compiled = False  # the head's steps through torch.compile (fef's compile option)
 
 
 def decode(model, prompt, gen_length, *, temperature, generator, stats: DecodeStats, order: str, window: int,
            block_length: int, cache: str = "auto", attention_mask=None, eos_token_id=None, callback=None,
            sampler: str = "sequential", draft_head=None, draft_candidates: int = 1,
-           candidates_below: float | None = None, draft_cutoff: float | None = None) -> torch.Tensor:
+           candidates_below: float | None = None, draft_cutoff: float | None = None,
+           compile: bool = False) -> torch.Tensor:
     """Decode ``gen_length`` tokens after ``prompt`` [B, P] -> [B, P + N]; window 0 is ``sequential``.
 
     ``draft_head`` (a ``DraftHead`` with ``condition_first``): drafts come from it, step j reading the
@@ -93,7 +95,8 @@ def decode(model, prompt, gen_length, *, temperature, generator, stats: DecodeSt
     ``draft_candidates`` > 1 (left to right): a draft tree (``_Tree``), siblings (each with its branch) only where
     the draft's temperature-1 probability is below ``candidates_below`` when given. ``draft_cutoff``: adaptive
     windows, each row's drafts ending where the drafter's own survival estimate falls below it
-    (``samplers/drafting.py: cut_count``; the call then feeds only the longest row's drafts)."""
+    (``samplers/drafting.py: cut_count``; the call then feeds only the longest row's drafts). ``compile``: the
+    head's steps through ``torch.compile`` (``dllm.models.draft_head.HeadSteps``)."""
     if draft_candidates > 1 and order != "left_to_right":
         raise ValueError(f"draft_candidates={draft_candidates}: draft trees on a two-stream model run left to right; "
                          f"got order={order!r}")
@@ -106,6 +109,7 @@ def decode(model, prompt, gen_length, *, temperature, generator, stats: DecodeSt
         block_length = gen_length
     state = _Decoding(CountingModel(model, stats.record), prompt, gen_length, block_length, attention_mask,
                       eos_token_id, draft_head if window else None)
+    state.compiled = compile
     canvas = state.canvas
     for block in range(canvas.num_blocks):
         state.cache.compact()
@@ -415,7 +419,8 @@ def _drafts(state, rows, candidates, temperature, generator, order, window, cuto
     before = torch.cat([state.last_col[rows, None], columns[:, :-1]], dim=1)
     inputs = (state.draft_features[rows[:, None], positions], draft_logits[index[:, None], positions],
               state.last_tok[rows], columns - before)
-    drafts, window_logits = head_drafts(state.head, *inputs, temperature, generator, state.mask_id, cutoff=cutoff)
+    drafts, window_logits = head_drafts(state.head, *inputs, temperature, generator, state.mask_id, cutoff=cutoff,
+                                        compiled=state.compiled)
     columns, count, drafts, window_logits = _cut(columns, count, drafts, window_logits, cutoff)
     width = columns.shape[1]
     inputs = (inputs[0][:, :width], inputs[1][:, :width], inputs[2], inputs[3][:, :width])
@@ -540,4 +545,5 @@ def layout(model, options: dict):
         head = load_draft_head(default_draft_head(model) if options["draft_head"] is None else options["draft_head"])
     return functools.partial(decode, order=options["order"], window=options["window"], sampler="fef", draft_head=head,
                              draft_candidates=options["draft_candidates"],
-                             candidates_below=options["candidates_below"], draft_cutoff=options["draft_cutoff"])
+                             candidates_below=options["candidates_below"], draft_cutoff=options["draft_cutoff"],
+                             compile=options["compile"])
