@@ -14,6 +14,8 @@
 # the measured ones to see how far "forward time is all that counts" holds on this device); head_cost/ (fef's
 # draft-head steps against the state call at HEAD_ARCH's shape, default llada-8b: eval/study/head_cost.py); trees/
 # (configs/bench_trees.toml at batch 1 on the shipped models: draft trees against chains, ar_spec and fef);
+# round_parts.log and compile/ (ROUNDS=0 skips: where a round's time goes at batch 1 and 8, and two-stream fef's head
+# steps compiled, CUDA graphs on a GPU, and cut adaptively, against the eager chain);
 # real_shape/ and real_shape_compile/ (eval/study/real_shape.py: REAL_ARCH, default llada-8b, random bf16 weights at
 # REAL_LAYERS, default its full depth on a GPU, loaded by dllm.load from a hub-layout folder; sequential and fef w8 at
 # batch 1 and 8: peak memory above the weights beside `dllm plan`'s, time per round, the sampler's share, syncs per
@@ -45,7 +47,7 @@ else
   : "${COST_REPS:=5}"
   : "${SELF_ROWS:=1,4,16,64,144}" "${SELF_TOKENS:=1,8,32,128,256}" "${SELF_CONTEXTS:=0,128,256}"
 fi
-: "${PROMPTS:=synthetic}" "${WARMUP:=1}" "${SELFCHECK:=1}" "${COST_ARCHS:=}" "${HEAD_COST:=1}" "${HEAD_ARCH:=llada-8b}" "${TREES:=1}"
+: "${PROMPTS:=synthetic}" "${WARMUP:=1}" "${SELFCHECK:=1}" "${COST_ARCHS:=}" "${HEAD_COST:=1}" "${HEAD_ARCH:=llada-8b}" "${TREES:=1}" "${ROUNDS:=1}"
 if [[ "$SMALL" == 1 ]]; then : "${HEAD_LAYERS:=1,2}"; else : "${HEAD_LAYERS:=2,4}"; fi
 : "${REAL_SHAPE:=1}" "${REAL_ARCH:=llada-8b}" "${REAL_BATCHES:=1,8}" "${REAL_SAMPLERS:=sequential,fef:window=8}"
 : "${REAL_CACHE:=$HOME/.cache/dllm/real_shape}" "${REAL_COMPILE:=1}"
@@ -104,6 +106,17 @@ if [[ "$TREES" != 0 ]]; then
   "$PY" -m dllm.eval.study.bench "${common[@]}" --config-file configs/bench_trees.toml --num-prompts "$NUM_PROMPTS" \
     --max-new-tokens "$MAX_NEW_TOKENS" --repeats "$REPEATS" --warmup "$WARMUP" --output "$OUT/trees" 2>&1 \
     | tee "$OUT/trees.log"
+fi
+if [[ "$ROUNDS" != 0 ]]; then
+  echo "== where a round's time goes (eval/study/round_parts.py), and fef's compiled head step against the eager one"
+  "$PY" -m dllm.eval.study.round_parts --batch-size 1 8 --num-prompts "$NUM_PROMPTS" --max-new-tokens "$MAX_NEW_TOKENS" \
+    --dtype "${DTYPE:-bfloat16}" 2>&1 | tee "$OUT/round_parts.log"
+  "$PY" -m dllm.eval.study.bench "${common[@]}" --num-prompts "$NUM_PROMPTS" --max-new-tokens "$MAX_NEW_TOKENS" \
+    --batch-size 1 --repeats "$REPEATS" --warmup "$WARMUP" --baseline "fef ts w8 head" \
+    --config "name=fef ts w8 head;model=two_stream;sampler=fef;window=8;draft=head" \
+    --config "name=fef ts w8 head compile;model=two_stream;sampler=fef;window=8;draft=head;compile=true" \
+    --config "name=fef ts w8 head cut0.05;model=two_stream;sampler=fef;window=8;draft=head;draft_cutoff=0.05" \
+    --output "$OUT/compile" 2>&1 | tee "$OUT/compile.log"
 fi
 if [[ "$REAL_SHAPE" != 0 ]]; then
   real=(--arch "$REAL_ARCH" --layers "$REAL_LAYERS" --dtype "${DTYPE:-bfloat16}" --device "${DEVICE:-auto}"

@@ -233,8 +233,9 @@ def test_bench_shows_progress_batch_by_batch_within_each_configuration():
     bench.time_study(runs, batches, bench.Settings(repeats=2, warmup=1, max_new_tokens=2), progress=lambda _: None,
                      bar=bars)
     assert [(b["desc"], b["total"], b["updates"]) for b in bars.bars] == [
-        ("  recording x", 4, 4), ("  recording y", 4, 4), ("  repeat 1/2", 8, 8), ("  repeat 2/2", 8, 8)]
-    assert bars.bars[2]["postfix"] == ["x", "y"] and bars.bars[3]["postfix"] == ["y", "x"]  # which configuration
+        ("  recording x", 4, 4), ("  clocking x", 4, 4), ("  recording y", 4, 4), ("  clocking y", 4, 4),
+        ("  repeat 1/2", 8, 8), ("  repeat 2/2", 8, 8)]
+    assert bars.bars[4]["postfix"] == ["x", "y"] and bars.bars[5]["postfix"] == ["y", "x"]  # which configuration
 
 
 def test_log_progress_prints_lines_for_logs_at_most_every_interval():

@@ -284,7 +284,7 @@ def speed_figure(plt, runs: list[dict]):
     axes[2].barh(names, [r["forward_tokens_draft_per_token"] for r in runs], color="white", edgecolor="black",
                  hatch="//", left=[r["forward_tokens_per_token"] for r in runs], label="drafter")
     axes[2].set_xlabel("forward tokens per generated token")
-    axes[2].legend(fontsize=8)
+    axes[2].legend(fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=2, frameon=False)
     shares = [r.get("model_share") or {"target": 0.0, "draft": 0.0} for r in runs]
     target = [s["target"] for s in shares]
     draft = [s["draft"] for s in shares]
@@ -294,7 +294,7 @@ def speed_figure(plt, runs: list[dict]):
                  color="tab:gray", label="non-model")
     axes[3].set_xlim(0, 1)
     axes[3].set_xlabel("share of wall time (clocked pass)")
-    axes[3].legend(fontsize=8)
+    axes[3].legend(fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=3, frameon=False)  # above: no bar hidden
     axes[0].invert_yaxis()
     for ax in axes:
         ax.grid(alpha=0.3, axis="x")
