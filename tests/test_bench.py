@@ -300,3 +300,21 @@ def test_interrupted_repeats_keep_what_every_configuration_finished(monkeypatch)
         (_ for _ in ()).throw(KeyboardInterrupt) if len(passes) == 7 else (1.0, [])))
     with pytest.raises(KeyboardInterrupt):
         bench.time_study(runs, [], bench.Settings(repeats=3, warmup=1), progress=lambda _: None)
+
+
+def test_round_parts_split_a_round_into_its_mechanisms():
+    """python -m dllm.eval.study.round_parts: each layout's parts are clocked, the model calls taken out of them,
+    and the parts add up to the run's wall time."""
+    import dllm
+    from dllm.eval.study.round_parts import profile
+
+    oracle = dllm.HMMOracle.random(num_states=3, num_tokens=4, seed=0)
+    prompts = [[0, 1, 2], [1, 2, 3], [2, 2, 0]]
+    for model, sampler, options in ((oracle, "fef", {"window": 3}),
+                                    (oracle.as_causal(), "ar_spec", {"num_draft_tokens": 3})):
+        drafter = oracle.perturbed(0.5) if sampler == "ar_spec" else None
+        found = profile(model, prompts, sampler, 2, 6, drafter, **options)
+        parts = found["parts"]
+        assert found["rounds"] > 0 and parts["verify rule"] > 0 and parts["target model"] > 0
+        assert abs(sum(parts.values()) - found["total_s"]) < 1e-6 * max(1.0, found["total_s"]) + 1e-9
+        assert (parts["drafter model"] > 0) == (drafter is not None)

@@ -36,8 +36,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 import torch.nn.functional as F
+from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from .checkpoint import load_saved

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -245,7 +245,7 @@ def _head_step(h: Tensor, keys: tuple, values: tuple, slot: Tensor, seen: Tensor
     return F.linear(F.layer_norm(h, norm_w.shape, norm_w, norm_b), out_w, out_b), tuple(new_keys), tuple(new_values)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _compiled_step(device: torch.device):
     """``_head_step`` through ``torch.compile`` (static shapes; CUDA graphs on a GPU), built once per device type."""
     mode = "reduce-overhead" if torch.device(device).type == "cuda" else None

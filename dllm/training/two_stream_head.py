@@ -80,8 +80,8 @@ class _RecordingHead(DraftHead):
 
     last: dict | None = None
 
-    def start(self, features, base_logits):
-        steps = super().start(features, base_logits)
+    def start(self, features, base_logits, compiled=False):
+        steps = super().start(features, base_logits, compiled)
         record = self.last = {"features": features, "base": base_logits, "previous": [], "offsets": []}
         step = steps.next
 

@@ -275,7 +275,8 @@ def speed_figure(plt, runs: list[dict]):
     names = [r["name"] for r in runs]
     colours = [plt.get_cmap("tab10")(list(SAMPLERS).index(r["sampler"]) % 10) for r in runs]
     axes[0].barh(names, [r["speedup"] for r in runs], color=colours,
-                 xerr=[[r["speedup"] - r["speedup_min"] for r in runs], [r["speedup_max"] - r["speedup"] for r in runs]])
+                 xerr=[[r["speedup"] - r["speedup_min"] for r in runs],
+                       [r["speedup_max"] - r["speedup"] for r in runs]])
     axes[0].axvline(1.0, color="black", linewidth=0.8)
     axes[0].set_xlabel("speed-up over the baseline (min-max of repeats)")
     axes[1].barh(names, [r["mean_acceptance_length"] for r in runs], color=colours)
@@ -294,7 +295,8 @@ def speed_figure(plt, runs: list[dict]):
                  color="tab:gray", label="non-model")
     axes[3].set_xlim(0, 1)
     axes[3].set_xlabel("share of wall time (clocked pass)")
-    axes[3].legend(fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=3, frameon=False)  # above: no bar hidden
+    # the legends sit above the axes, where they hide no bar
+    axes[3].legend(fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=3, frameon=False)
     axes[0].invert_yaxis()
     for ax in axes:
         ax.grid(alpha=0.3, axis="x")

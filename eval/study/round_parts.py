@@ -1,7 +1,8 @@
 """Where a speculative round's time goes: the drafter, the target's call, the verification rule, the rest.
 
     python -m dllm.eval.study.round_parts                      # ar_spec and fef on the shipped models, batch 1 and 8
-    python -m dllm.eval.study.round_parts --batch-size 1 --config "model=ar;sampler=ar_spec;drafter=head;num_draft_tokens=8"
+    python -m dllm.eval.study.round_parts --batch-size 1 \
+        --config "model=ar;sampler=ar_spec;drafter=head;num_draft_tokens=8"
 
 Each part is the wall time inside one mechanism of the round, summed over a run of ``dllm.generate`` on the study's
 prompts and divided by the loop's steps (``DecodeStats.steps``: one round of every row together): the functions
@@ -132,10 +133,12 @@ def layout_of(model, sampler: str) -> str:
 
 
 def profile(model, prompts: list[list[int]], sampler: str, batch_size: int, max_new_tokens: int,
-            drafter_model=None, device=torch.device("cpu"), **options) -> dict:
-    """One clocked run over ``prompts`` (batches of similar lengths, left padded as ``dllm bench`` makes them; greedy) -> {"rounds", "total_s", "parts": {part:
-    seconds}} with the model calls as "target model" / "drafter model" and what is left as "other".
+            drafter_model=None, device: torch.device | None = None, **options) -> dict:
+    """One clocked run over ``prompts`` (batches of similar lengths, left padded as ``dllm bench`` makes them;
+    greedy) -> {"rounds", "total_s", "parts": {part: seconds}} with the model calls as "target model" / "drafter
+    model" and what is left as "other".
     ``drafter_model``: ar_spec's drafter when it is a model (clocked as the drafter's calls)."""
+    device = torch.device("cpu") if device is None else device
     clock = PartClock(device)
     layout = layout_of(model, sampler)
     target = CountingModel(model, lambda call: None, clock=clock.models)

@@ -44,8 +44,8 @@ from dllm.protocols import gather_positions
 from dllm.stats import DecodeStats
 
 from ..canvas import Band, View, write_at
-from ..order import choose_window, pick_next
 from ..drafting import cut_count
+from ..order import choose_window, pick_next
 from ..verify import Noise, rejection_sample, tree_path
 from .sources import HeadDrafts, MarginalDrafts, StaleDrafts
 from .trees import CopyTree
