@@ -12,7 +12,6 @@ import torch
 
 import dllm
 from dllm.models.ar_heads import EagleHead, HeadConfig
-from dllm.models.oracle import HMMOracle, InconsistentModel
 from dllm.models.transformer import TransformerConfig, TransformerLM
 from dllm.numerics import bind_rows, sample_from_logits
 from dllm.samplers import sequential_distribution
@@ -20,29 +19,10 @@ from dllm.samplers.ar_spec.drafters import Draft, Drafter
 from dllm.samplers.drafting import cut_count, cut_draft, draft_survival
 
 from stat_tools import ALPHA, chi_square_pvalue, sharp
+from test_exactness import GEN, PROMPT, inconsistent, oracle, sample  # noqa: F401  (the module's fixtures)
 from test_two_stream import PROMPT as TS_PROMPT
 from test_two_stream import _random_head, _sample, enumerated_law
 from test_two_stream import model as two_stream  # noqa: F401  (the module's fixture)
-
-N_SAMPLES = 12000
-PROMPT = torch.tensor([0, 2])
-GEN = 4
-
-
-@pytest.fixture(scope="module")
-def oracle():
-    return HMMOracle.random(num_states=3, num_tokens=3, seed=0, stickiness=2.0, sharpness=2.0)
-
-
-@pytest.fixture(scope="module")
-def inconsistent(oracle):
-    return InconsistentModel(oracle, scale=1.0, seed=3)
-
-
-def sample(model, sampler, temperature=1.0, seed=0, n=N_SAMPLES, **options):
-    out = dllm.generate(model, PROMPT.expand(n, -1), sampler=sampler, max_new_tokens=GEN, temperature=temperature,
-                        generator=torch.Generator().manual_seed(seed), **options)
-    return out.sequences[:, PROMPT.numel():], out.stats
 
 
 def test_the_rule_keeps_a_prefix_of_at_least_one_draft():
@@ -62,7 +42,7 @@ def test_the_rule_keeps_a_prefix_of_at_least_one_draft():
     assert cut.tokens.shape == (2, 1) and cut.count.tolist() == [1, 1]  # the call feeds the longest row's drafts
 
 
-def test_power_dropping_the_draft_that_crossed_the_cutoff_is_not_exact(inconsistent, monkeypatch):
+def test_power_dropping_the_draft_that_crossed_the_cutoff_is_not_exact(inconsistent, monkeypatch):  # noqa: F811
     """The rule must decide on draft j + 1 before drawing it: cutting the draft that crossed the cutoff too
     conditions the kept drafts on their own values, and the chi-square test sees the bias."""
     import dllm.samplers.fef.round as fef_round
@@ -80,7 +60,7 @@ def test_power_dropping_the_draft_that_crossed_the_cutoff_is_not_exact(inconsist
 @pytest.mark.parametrize("order", ["left_to_right", "confidence"])
 @pytest.mark.parametrize("draft", ["marginal", "stale"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_fef_copies_with_adaptive_windows_are_exact(inconsistent, order, draft, temperature):
+def test_fef_copies_with_adaptive_windows_are_exact(inconsistent, order, draft, temperature):  # noqa: F811
     expected = sequential_distribution(inconsistent, PROMPT, GEN, temperature=temperature, order=order)
     answers, stats = sample(inconsistent, "fef", temperature=temperature, order=order, draft=draft, window=4, seed=7,
                             draft_cutoff=0.3)
@@ -131,7 +111,7 @@ def test_ar_spec_eagle_with_adaptive_k_is_exact(target, temperature):
 
 
 @pytest.mark.parametrize("kind", ["causal", "diffusion"])
-def test_ar_spec_model_drafters_with_adaptive_k_are_exact(oracle, kind):
+def test_ar_spec_model_drafters_with_adaptive_k_are_exact(oracle, kind):  # noqa: F811
     drafter = oracle.perturbed(0.5).as_causal() if kind == "causal" else oracle.perturbed(0.5)
     answers, stats = sample(oracle.as_causal(), "ar_spec", 1.0, seed=5, drafter=drafter, num_draft_tokens=3,
                             draft_cutoff=0.3)
@@ -164,7 +144,7 @@ class JudgeFirstDraft(Drafter):
 
 @pytest.mark.parametrize("peek", [False, True])
 @pytest.mark.parametrize("itself", [False, True])
-def test_power_a_draft_kept_or_dropped_by_its_own_value_is_not_exact(oracle, peek, itself):
+def test_power_a_draft_kept_or_dropped_by_its_own_value_is_not_exact(oracle, peek, itself):  # noqa: F811
     """What exactness needs of a stopping rule: whether d_j is verified must be decided before d_j is drawn, from
     the drafts before it. Deciding on d_1.. from d_0 is exact whoever judges d_0 (the drafter, as ``draft_cutoff``
     does, or even the target at the prefix); keeping or dropping d_0 by its own value is not, whoever judges it:
@@ -178,7 +158,7 @@ def test_power_a_draft_kept_or_dropped_by_its_own_value_is_not_exact(oracle, pee
     assert 0 < stats.accepted < stats.drafted
 
 
-def test_greedy_with_adaptive_windows_equals_sequential(inconsistent, oracle):
+def test_greedy_with_adaptive_windows_equals_sequential(inconsistent, oracle):  # noqa: F811
     prompts = torch.tensor([[0, 2, 1], [1, 1, 0]])
     common = dict(max_new_tokens=6, temperature=0.0)
     for order in ("left_to_right", "confidence"):
@@ -191,7 +171,7 @@ def test_greedy_with_adaptive_windows_equals_sequential(inconsistent, oracle):
     assert torch.equal(spec.sequences, dllm.generate(causal, prompts, sampler="ar", **common).sequences)
 
 
-def test_draft_cutoff_is_checked_by_name(oracle):
+def test_draft_cutoff_is_checked_by_name(oracle):  # noqa: F811
     causal = oracle.as_causal()
     with pytest.raises(ValueError, match="draft_cutoff"):
         dllm.generate(causal, PROMPT[None], sampler="ar_spec", drafter="ngram", draft_cutoff=0.5, max_new_tokens=2)

@@ -187,7 +187,8 @@ class HeadSteps:
                               layer.self_attn.in_proj_bias, layer.self_attn.out_proj.weight,
                               layer.self_attn.out_proj.bias, layer.norm2.weight, layer.norm2.bias,
                               layer.linear1.weight, layer.linear1.bias, layer.linear2.weight, layer.linear2.bias)
-                             for layer in head.layers) + ((head.norm.weight, head.norm.bias, *_out_parts(head)),)
+                             for layer in head.layers)
+        self.weights += ((head.norm.weight, head.norm.bias, head.out.weight, head.out.bias),)
         heads = config.n_heads
         shape = (rows, heads, width, config.dim // heads)
         self.keys = tuple(self.inputs.new_zeros(shape) for _ in head.layers)
@@ -220,10 +221,6 @@ class HeadSteps:
             logits[:, config.mask_token_id] = float("-inf")
         self.j += 1
         return logits
-
-
-def _out_parts(head: DraftHead) -> tuple[Tensor, Tensor]:
-    return head.out.weight, head.out.bias
 
 
 def _head_step(h: Tensor, keys: tuple, values: tuple, slot: Tensor, seen: Tensor, weights: tuple, heads: int):

@@ -189,14 +189,10 @@ def calls_figure(plt, runs: list[dict]):
     smallest bar, ar's, and hides it) and the drafter's part stacked on the target's keeps its true length.
     """
     fig, axes = plt.subplots(1, 2, figsize=(11, 0.32 * len(runs) + 1.5), sharey=True)
-    names = [r["name"] for r in runs]
-    colours = [plt.get_cmap("tab10")(list(SAMPLERS).index(r["sampler"]) % 10) for r in runs]
+    names, colours = [r["name"] for r in runs], _sampler_colours(plt, runs)
     axes[0].barh(names, [r["tokens_per_row_call"] for r in runs], color=colours)
     axes[0].set_xlabel("tokens per row-call (new tokens / sequences served by target calls)")
-    axes[1].barh(names, [r["forward_tokens_per_token"] for r in runs], color=colours, label="target")
-    axes[1].barh(names, [r["forward_tokens_draft_per_token"] for r in runs], color="white", edgecolor="black",
-                 hatch="//", left=[r["forward_tokens_per_token"] for r in runs], label="drafter")
-    axes[1].set_xlabel("forward tokens per generated token")
+    _forward_tokens(axes[1], names, runs, colours)
     axes[1].legend(fontsize=8)
     axes[0].invert_yaxis()
     for ax in axes:
@@ -204,6 +200,20 @@ def calls_figure(plt, runs: list[dict]):
         ax.grid(alpha=0.3, axis="x")
     fig.tight_layout()
     return fig
+
+
+def _sampler_colours(plt, runs: list[dict]) -> list:
+    """One colour per sampler family, the same in every figure."""
+    return [plt.get_cmap("tab10")(list(SAMPLERS).index(r["sampler"]) % 10) for r in runs]
+
+
+def _forward_tokens(ax, names: list[str], runs: list[dict], colours: list) -> None:
+    """Forward tokens per generated token as bars, the drafter's (hatched) stacked on the target's."""
+    target = [r["forward_tokens_per_token"] for r in runs]
+    ax.barh(names, target, color=colours, label="target")
+    ax.barh(names, [r["forward_tokens_draft_per_token"] for r in runs], color="white", edgecolor="black",
+            hatch="//", left=target, label="drafter")
+    ax.set_xlabel("forward tokens per generated token")
 
 
 LINE_STYLES = ("-", "--", "-.", ":")
@@ -272,8 +282,7 @@ def speed_figure(plt, runs: list[dict]):
     generated token (the drafter's stacked on the target's) and where the wall time goes (the target's calls,
     the drafter's, the rest: the round's non-model share, from the clocked pass)."""
     fig, axes = plt.subplots(1, 4, figsize=(15, 0.32 * len(runs) + 1.8), sharey=True)
-    names = [r["name"] for r in runs]
-    colours = [plt.get_cmap("tab10")(list(SAMPLERS).index(r["sampler"]) % 10) for r in runs]
+    names, colours = [r["name"] for r in runs], _sampler_colours(plt, runs)
     axes[0].barh(names, [r["speedup"] for r in runs], color=colours,
                  xerr=[[r["speedup"] - r["speedup_min"] for r in runs],
                        [r["speedup_max"] - r["speedup"] for r in runs]])
@@ -281,10 +290,7 @@ def speed_figure(plt, runs: list[dict]):
     axes[0].set_xlabel("speed-up over the baseline (min-max of repeats)")
     axes[1].barh(names, [r["mean_acceptance_length"] for r in runs], color=colours)
     axes[1].set_xlabel("tokens per round (per row)")
-    axes[2].barh(names, [r["forward_tokens_per_token"] for r in runs], color=colours, label="target")
-    axes[2].barh(names, [r["forward_tokens_draft_per_token"] for r in runs], color="white", edgecolor="black",
-                 hatch="//", left=[r["forward_tokens_per_token"] for r in runs], label="drafter")
-    axes[2].set_xlabel("forward tokens per generated token")
+    _forward_tokens(axes[2], names, runs, colours)
     axes[2].legend(fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=2, frameon=False)
     shares = [r.get("model_share") or {"target": 0.0, "draft": 0.0} for r in runs]
     target = [s["target"] for s in shares]

@@ -100,28 +100,25 @@ def clocked_parts(clock: PartClock, layout: str):
             setattr(module, attribute, value)
 
 
-class _ClockedDrafter:
-    """A ``Drafter`` whose ``propose`` and ``rollback`` are clocked parts (ar_spec builds the drafter itself, so
-    ``_make_drafter`` is wrapped to wrap what it returns)."""
+@contextlib.contextmanager
+def clocked_drafter(clock: PartClock):
+    """The drafter ar_spec builds with its ``propose`` and ``rollback`` clocked as parts (``_make_drafter`` is
+    wrapped to wrap what it returns)."""
+    from dllm.samplers.ar_spec import decode
 
-    @staticmethod
-    @contextlib.contextmanager
-    def around(clock: PartClock):
-        from dllm.samplers.ar_spec import decode
+    make = decode._make_drafter
 
-        make = decode._make_drafter
+    def made(*args, **kwargs):
+        drafter = make(*args, **kwargs)
+        drafter.propose = clock.wrap(drafter.propose, "drafter: propose")
+        drafter.rollback = clock.wrap(drafter.rollback, "rollback")
+        return drafter
 
-        def made(*args, **kwargs):
-            drafter = make(*args, **kwargs)
-            drafter.propose = clock.wrap(drafter.propose, "drafter: propose")
-            drafter.rollback = clock.wrap(drafter.rollback, "rollback")
-            return drafter
-
-        decode._make_drafter = made
-        try:
-            yield
-        finally:
-            decode._make_drafter = make
+    decode._make_drafter = made
+    try:
+        yield
+    finally:
+        decode._make_drafter = make
 
 
 def layout_of(model, sampler: str) -> str:
@@ -147,7 +144,7 @@ def profile(model, prompts: list[list[int]], sampler: str, batch_size: int, max_
     from dllm.eval.study.bench import make_batches
 
     rounds, total = 0, 0.0
-    with clocked_parts(clock, layout), _ClockedDrafter.around(clock), torch.inference_mode():
+    with clocked_parts(clock, layout), clocked_drafter(clock), torch.inference_mode():
         for batch in make_batches(prompts, batch_size, getattr(model, "pad_token_id", None) or 0, device):
             synchronize(device)
             began = time.perf_counter()

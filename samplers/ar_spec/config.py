@@ -36,14 +36,14 @@ def _load_named_drafter(values: dict[str, Any], model) -> None:
         raise ValueError(f"drafter must be {DRAFTER_KINDS}; {str(drafter)!r} is none of them (no model folder there)")
     weight = next(iter(getattr(model, "parameters", lambda: iter(()))()), None)
     device, dtype = (None, None) if weight is None else (weight.device, weight.dtype)
-    values["drafter"] = _loaded(str(folder.resolve()), str(device), dtype)
+    values["drafter"] = _loaded(str(folder.resolve()), device, dtype)
 
 
 @functools.lru_cache(maxsize=8)
-def _loaded(folder: str, device: str, dtype):
+def _loaded(folder: str, device, dtype):
     from dllm.models.loading import load
 
-    return load(folder, device=None if device == "None" else device, dtype=dtype).eval()
+    return load(folder, device=device, dtype=dtype).eval()
 
 
 def _check_drafter(values: dict[str, Any], model) -> None:

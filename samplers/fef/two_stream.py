@@ -47,7 +47,7 @@ from dllm.protocols import capabilities
 from dllm.stats import DecodeStats, StepEvent
 
 from ..canvas import Canvas
-from ..drafting import Draft, cut_count, independent_drafts, more_candidates
+from ..drafting import Draft, cut_draft, independent_drafts, more_candidates
 from ..order import choose_window, top1_probability
 from ..verify import Continuations, Noise, rejection_sample, tree_path
 from .sources import head_drafts
@@ -57,7 +57,7 @@ from .trees import branch_paths
 class _Decoding:
     """Canvas, cache and per-row state of one two-stream decode."""
 
-    def __init__(self, model, prompt, gen_length, block_length, mask, eos_token_id, head=None):
+    def __init__(self, model, prompt, gen_length, block_length, mask, eos_token_id, head=None, compiled=False):
         self.model, self.mask_id, self.head = model, model.mask_token_id, head
         self.canvas = Canvas.start(prompt, gen_length, block_length, self.mask_id, eos_token_id)
         batch, length = self.canvas.x.shape
@@ -79,7 +79,7 @@ class _Decoding:
         self.draft_logits: torch.Tensor | None = None  # [B, N, V]
         self.draft_features: torch.Tensor | None = None  # [B, N, D] their query features (with a head)
         self.have = torch.zeros((batch, length), dtype=torch.bool, device=prompt.device)
-        self.compiled = False  # the head's steps through torch.compile (fef's compile option)
+        self.compiled = compiled  # the head's steps through torch.compile (fef's compile option)
 
 
 def decode(model, prompt, gen_length, *, temperature, generator, stats: DecodeStats, order: str, window: int,
@@ -108,8 +108,7 @@ def decode(model, prompt, gen_length, *, temperature, generator, stats: DecodeSt
         # block_length), so one block lets fef's windows run across the model's blocks.
         block_length = gen_length
     state = _Decoding(CountingModel(model, stats.record), prompt, gen_length, block_length, attention_mask,
-                      eos_token_id, draft_head if window else None)
-    state.compiled = compile
+                      eos_token_id, draft_head if window else None, compile)
     canvas = state.canvas
     for block in range(canvas.num_blocks):
         state.cache.compact()
@@ -433,13 +432,12 @@ def _drafts(state, rows, candidates, temperature, generator, order, window, cuto
 
 
 def _cut(columns, count, drafts, window_logits, cutoff):
-    """The adaptive window: counts cut by the drafter's survival estimate (``cut_count``), every tensor trimmed to
-    the longest row's drafts (one host read; the head may have stopped early already)."""
+    """The adaptive window: ``cut_draft``'s counts and width (one host read; the head may have stopped early
+    already), the columns trimmed alike."""
     if cutoff is None or not columns.shape[1]:
         return columns, count, drafts, window_logits
-    count = cut_count(window_logits, drafts, count.clamp(max=drafts.shape[1]), cutoff)
-    width = min(drafts.shape[1], max(int(count.max()), 1))
-    return columns[:, :width], count, drafts[:, :width], window_logits[:, :width]
+    cut = cut_draft(Draft(drafts, window_logits, count.clamp(max=drafts.shape[1])), cutoff)
+    return columns[:, : cut.tokens.shape[1]], cut.count, cut.tokens, cut.logits
 
 
 def _queries(x, candidates, positions, count, order, window, mask_id):
