@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from dllm.defaults import TEMPERATURE
+from dllm.defaults import MAX_NEW_TOKENS, TEMPERATURE
 from dllm.numerics import RowGenerators, check_int, synchronize
 from dllm.protocols import (
     accepts_attention_mask,
@@ -44,7 +44,7 @@ def generate(
     model,
     input_ids: torch.Tensor,
     sampler: str = "fef",
-    max_new_tokens: int = 64,
+    max_new_tokens: int = MAX_NEW_TOKENS,
     temperature: float = TEMPERATURE,
     generator: torch.Generator | Sequence[torch.Generator] | None = None,
     attention_mask: torch.Tensor | None = None,
@@ -113,18 +113,19 @@ def _check_sampler(sampler: str) -> SamplerSpec:
 
 
 def _check_model(model, spec: SamplerSpec) -> None:
-    if spec.model_kind == "any" and not (is_diffusion_model(model) or is_causal_model(model)):
-        raise TypeError(f"sampler {spec.name!r} needs a DiffusionModel or a CausalModel; got {type(model).__name__}")
-    if spec.model_kind == "diffusion" and not is_diffusion_model(model):
-        raise TypeError(
-            f"sampler {spec.name!r} needs a DiffusionModel (callable with mask_token_id and vocab_size); "
-            f"got {type(model).__name__}"
-        )
-    if spec.model_kind == "causal" and not is_causal_model(model):
-        raise TypeError(
-            f"sampler {spec.name!r} needs a CausalModel (callable with vocab_size and no mask_token_id); "
-            f"got {type(model).__name__}"
-        )
+    diffusion, causal = is_diffusion_model(model), is_causal_model(model)
+    fits = spec.model_kind == "any" and (diffusion or causal) or spec.model_kind == ("diffusion" if diffusion else
+                                                                                    "causal" if causal else None)
+    if not fits:
+        needs = {"diffusion": "a DiffusionModel (callable, with mask_token_id and vocab_size)",
+                 "causal": "a CausalModel (callable, with vocab_size and no mask_token_id)",
+                 "any": "a DiffusionModel or a CausalModel"}[spec.model_kind]
+        kind = "diffusion" if diffusion else "causal" if causal else None
+        if kind is None:
+            raise TypeError(f"sampler {spec.name!r} needs {needs}; got {type(model).__name__}, which is neither")
+        fitting = sorted(name for name, other in SAMPLERS.items() if other.model_kind in (kind, "any"))
+        raise TypeError(f"sampler {spec.name!r} needs {needs}; this {type(model).__name__} is a {kind} model "
+                        f"(samplers for it: {', '.join(fitting)})")
     if not isinstance(model.vocab_size, int) or model.vocab_size < 2:
         raise ValueError(f"model.vocab_size must be an int >= 2, got {model.vocab_size!r}")
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dllm.defaults import DTYPE, DTYPES, TEMPERATURE
+from dllm.defaults import DTYPE, DTYPES, MAX_NEW_TOKENS, TEMPERATURE
 
 if TYPE_CHECKING:
     from dllm.stats import StepEvent
@@ -42,7 +42,10 @@ def _dispatch(argv: list[str]) -> int:
         import importlib
 
         return importlib.import_module(_COMMANDS[argv[0]]).main(argv[1:])
+    from dllm import __version__
+
     parser = argparse.ArgumentParser(prog="dllm", description="Exact speculative decoding for diffusion LMs.")
+    parser.add_argument("--version", action="version", version=f"dllm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub.add_parser("generate", help="generate text (default: the shipped diffusion model with fef)",
                                  epilog=STATS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter))
@@ -193,9 +196,10 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
                    "(default: the model's own measured default, its sampler_defaults.json: with the shipped AR model "
                    "ar_diffusion_drafter, the shipped diffusion model distilled toward it, 8 drafts per round; else "
                    "'ngram'; the shipped causal drafter is 'drafter')")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS,
+                   help=f"new tokens to generate; a row ends early at a stop token (default {MAX_NEW_TOKENS})")
     p.add_argument("--temperature", type=float, default=TEMPERATURE, help=f"0 is greedy (default {TEMPERATURE})")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default 0)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="sampler option, read as the option's type: --option window=4 --option cache=none "
                         "(defaults: README, 'Defaults')")

@@ -53,12 +53,16 @@ SAMPLER_DEFAULTS: dict[str, dict[str, object]] = {
     "dream": {"steps": MAX_NEW, "alg": "maskgit_plus", "alg_temp": None, "top_p": None, "top_k": None},
     "fast_dllm": {"threshold": None, "factor": None},
     "eb": {"gamma": 0.01},
-    # LLaDA2's generate (the model class's method; 2.1's token editing when editing_threshold is given)
+    # LLaDA2's generate (the model class's method; 2.1's token editing when editing_threshold is given); its names
+    # for generate's own parameters (eos_id, mask_id, gen_length) are checked against them, None: not given
     "llada2": {"steps": 32, "threshold": 0.95, "top_k": None, "top_p": None, "minimal_topk": 1,
-               "editing_threshold": None, "max_post_steps": 16, "num_to_transfer": 1},
-    # SDAR's block_diffusion_generate (its generate.py command line's defaults)
+               "editing_threshold": None, "max_post_steps": 16, "num_to_transfer": 1, "eos_early_stop": False,
+               "eos_id": None, "mask_id": None, "gen_length": None},
+    # SDAR's block_diffusion_generate (its generate.py command line's defaults); its names for generate's own
+    # parameters (mask_id, gen_length, stopping_criteria_idx) are checked against them, None: not given
     "sdar": {"denoising_steps": 4, "remasking_strategy": "low_confidence_dynamic", "confidence_threshold": 0.85,
-             "top_k": 0, "top_p": 1.0},
+             "top_k": 0, "top_p": 1.0, "eb_threshold": None, "mask_id": None, "gen_length": None,
+             "stopping_criteria_idx": None},
     "sequential": {"order": "left_to_right"},
     "fef": {"window": FEF_WINDOW, "draft": FEF_DRAFT, "verifier": "copies", "draft_head": None,
             "draft_candidates": 1, "candidates_below": None, "call_tokens": None, "draft_cutoff": None,
@@ -66,11 +70,30 @@ SAMPLER_DEFAULTS: dict[str, dict[str, object]] = {
     "native": {"generate_kwargs": None, "drafter": None},
 }
 
-# New tokens per answer: enough for a GSM8K chain of thought. `dllm eval` caps this default at what the
-# model's context leaves after the longest prompt (an explicit --max-new-tokens is checked strictly).
-MAX_NEW_TOKENS = 256
+# New tokens per call of generate, `dllm generate` and a server request without max_tokens: an answer of the
+# shipped models (a GSM8K-style chain of thought is 20-50 of their tokens) in a few seconds on a CPU.
+MAX_NEW_TOKENS = 64
+# New tokens per answer in `dllm eval`: enough for a real model's GSM8K chain of thought. It caps this default at
+# what the model's context leaves after the longest prompt (an explicit --max-new-tokens is checked strictly).
+EVAL_MAX_NEW_TOKENS = 256
 DTYPE = "auto"  # see auto_dtype
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+# dllm serve (its flags read these; a request's max_tokens defaults to MAX_NEW_TOKENS). A request without temperature
+# samples at OpenAI's documented default, 1.0, which clients written against OpenAI expect (--default-temperature 0:
+# greedy, as the other entry points).
+SERVE_TEMPERATURE = 1.0
+# Lanes decoding at once: the load study's top concurrency, where fef's throughput was 1.46x one lane's on a 2-core
+# CPU, up from 1.35x at 4 (docs/measurements.md, "dllm serve under load").
+SERVE_MAX_BATCH_SIZE = 16
+# Lanes queued beyond those before a request gets 429: four full batches; a longer queue turns a quick 429 into a
+# slow answer.
+SERVE_MAX_QUEUE = 64
+# Choices one request may ask (n): one full batch.
+SERVE_MAX_N = 16
+# Seconds requests in flight get to finish at SIGTERM / SIGINT: a default answer's p99 latency with 16 lanes was at
+# most 3.7 s in the load study, and 10 s stays well inside Kubernetes' default 30 s termination grace period.
+SERVE_GRACE_S = 10.0
 
 
 def cpu_has_native_bf16() -> bool:

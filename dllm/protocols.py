@@ -69,17 +69,23 @@ def is_causal_model(model: object) -> bool:
 # block_size (block-causal diffusion models): a model with an int ``block_size`` attends bidirectionally
 #   inside blocks and causally across them; samplers call it with ``block_offset=`` a LongTensor [N],
 #   the answer's first position per row in position-id coordinates, so model blocks line up with the
-#   sampler's blocks (which start at the answer). The sampler's block_length must equal block_size for
-#   the exact block cache. ``block_logits_only``: the model gives logits only inside its active block,
-#   so a sampler's blocks must nest inside the model's.
+#   sampler's blocks (which start at the answer). The sampler's block_length must equal the run's block size
+#   (``run_block_size``) for the exact block cache. ``block_logits_only``: the model gives logits only inside
+#   its active block, so a sampler's blocks must nest inside the model's.
 #   ``block_anchor`` says where the model's blocks were anchored in training: "answer" (the default; the
 #   project's block-causal models, trained with blocks starting at the answer) or "absolute" (blocks start at
 #   each row's first real token, position id 0, so the prompt is block-causal too and the answer's first block
 #   may begin inside the prompt's last one: SDAR, TraDo, LLaDA2). For "absolute" a sampler passes
-#   ``block_offset`` 0 (zeros [N]), lets the first answer block end at the next multiple of block_size (the
-#   prompt's tail shares that model block), caches only whole model blocks (the prompt's tail is re-read with
-#   the first block until that block is finished) and fills the last block out with masks to a multiple of
-#   block_size (the model's own generation always sees whole blocks).
+#   ``block_offset`` 0 (zeros [N]), lets the first answer block end at the next multiple of the run's block size
+#   (the prompt's tail shares that model block), caches only whole model blocks (the prompt's tail is re-read
+#   with the first block until that block is finished) and fills the last block out with masks to a multiple of
+#   the run's block size (the model's own generation always sees whole blocks).
+#   ``run_blocks``: the block size is a run's choice, not the checkpoint's: the model takes ``block_size=`` (an
+#   int) in ``__call__``, ``forward_cached`` and ``structured_verify`` and builds its block-causal mask from it
+#   (its own ``block_size`` is then only the default), as the family's official decoder builds its mask from its
+#   own ``block_length`` (SDAR's ``block_diffusion_generate``, LLaDA2's ``generate``). A run's attention blocks
+#   are ``run_block_size(model, block_length)``: the sampler's block_length on such a model, else block_size;
+#   the sessions pass it on every call (``samplers/sessions.py: Caller``), so a run never changes the model.
 #
 # KV cache (``cache``): ``model.new_cache()`` returns a cache with ``.length`` (int), ``.crop(length: int)``
 #   (in place) and ``.select(rows: LongTensor) -> cache``. ``model.forward_cached(input_ids [N, n], cache, *,
@@ -132,6 +138,7 @@ class Capabilities:
     block_size: int | None = None
     block_anchor: str = "answer"  # where blocks start, one of BLOCK_ANCHORS (see the block_size notes above)
     block_logits_only: bool = False
+    run_blocks: bool = False  # block_size= per call: a run's blocks are its block_length (see the notes above)
     needs_prompt: bool = False
     cache: bool = False  # new_cache() and forward_cached()
     cache_exact: bool = False
@@ -199,6 +206,7 @@ def capabilities(model: object) -> Capabilities:
         block_size=getattr(model, "block_size", None),
         block_anchor=getattr(model, "block_anchor", "answer"),
         block_logits_only=bool(getattr(model, "block_logits_only", False)),
+        run_blocks=bool(getattr(model, "run_blocks", False)),
         needs_prompt=bool(getattr(model, "needs_prompt", False)),
         cache=cache,
         cache_exact=cache and bool(getattr(model, "cache_exact", False)),
@@ -208,6 +216,16 @@ def capabilities(model: object) -> Capabilities:
         structured_verify=callable(getattr(model, "structured_verify", None)),
         native_loop=callable(getattr(model, "native_loop", None)),
     )
+
+
+def run_block_size(model: object, block_length: int | None) -> int | None:
+    """The attention block size of a run decoding in blocks of ``block_length``: that block_length on a model whose
+    blocks are a run's choice (``Capabilities.run_blocks``: SDAR, LLaDA2, as their official decoders), else the
+    model's own ``block_size`` (None: a model without blocks). The one place a run's block layout is decided."""
+    caps = capabilities(model)
+    if caps.run_blocks and caps.block_size is not None and block_length is not None:
+        return block_length
+    return caps.block_size
 
 
 def gather_positions(values: torch.Tensor, at: torch.Tensor) -> torch.Tensor:

@@ -5,27 +5,32 @@ runs model-written code confined in a subprocess; `dllm.eval.metrics` ships the 
 modules. The runner that calls models lives elsewhere.
 """
 
-from dllm.eval.answers import (
-    extract_boxed,
-    extract_code_block,
-    extract_last_number,
-    extract_math_answer,
-    extract_strict_number,
-    normalize_number,
-    truncate_at_stop,
-)
-from dllm.eval.metrics import load_metric, metric_path
-from dllm.eval.sandbox import Isolation, Limits, SandboxResult, run_many, run_program
-from dllm.eval.scoring import (
-    accuracy,
-    estimate_pass_at_k,
-    math_equal,
-    pass_at_k,
-    pass_at_k_by_problem,
-    score_gsm8k,
-    score_math,
-)
-from dllm.eval.tasks import TASKS, Task, format_qa_prompt, get_task
+if not __name__.startswith("dllm."):  # imported by its bare name from the repository root: not ours to answer
+    from dllm._root_folders import hand_over
+
+    hand_over(__name__, __file__)
+else:
+    from dllm.eval.answers import (
+        extract_boxed,
+        extract_code_block,
+        extract_last_number,
+        extract_math_answer,
+        extract_strict_number,
+        normalize_number,
+        truncate_at_stop,
+    )
+    from dllm.eval.metrics import load_metric, metric_path
+    from dllm.eval.sandbox import Isolation, Limits, SandboxResult, run_many, run_program
+    from dllm.eval.scoring import (
+        accuracy,
+        estimate_pass_at_k,
+        math_equal,
+        pass_at_k,
+        pass_at_k_by_problem,
+        score_gsm8k,
+        score_math,
+    )
+    from dllm.eval.tasks import TASKS, Task, format_qa_prompt, get_task
 
 __all__ = [
     "TASKS",

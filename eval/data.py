@@ -94,6 +94,10 @@ def _load_hub(sources: Sequence[HubSource]) -> list[dict]:
     """Concatenate the rows of hub splits (several for datasets split into per-subject configs)."""
     from datasets import load_dataset
 
+    from dllm.models.loading import check_hub_reachable
+
+    for path in dict.fromkeys(source.path for source in sources):  # one request each, not datasets' five retries
+        check_hub_reachable(path, {}, repo_type="dataset", filename="README.md")
     records: list[dict] = []
     for source in sources:
         dataset = load_dataset(source.path, source.name, split=source.split)

@@ -57,7 +57,7 @@ from typing import Any
 import torch
 
 import dllm
-from dllm.defaults import DTYPE, DTYPES, MAX_NEW_TOKENS, TEMPERATURE, resolve_dtype
+from dllm.defaults import DTYPE, DTYPES, EVAL_MAX_NEW_TOKENS, TEMPERATURE, resolve_dtype
 from dllm.eval.answers import truncate_at_stop
 from dllm.eval.data import DataError
 from dllm.eval.presets import PRESETS, get_preset
@@ -95,7 +95,7 @@ class EvalConfig:
     device: str | None = None  # None: cuda:LOCAL_RANK when CUDA is available, else CPU
     sampler: str = "fef"
     options: dict[str, Any] = field(default_factory=dict)
-    max_new_tokens: int | None = None  # None: MAX_NEW_TOKENS, capped at what the context leaves (default_max_new)
+    max_new_tokens: int | None = None  # None: EVAL_MAX_NEW_TOKENS, capped at the room the context leaves
     temperature: float = TEMPERATURE
     limit: int | None = None
     batch_size: int = 8
@@ -175,8 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="sampler option, repeatable: --option window=4 --option order=confidence; "
                         "--option drafter=PATH loads an ar_spec drafter with dllm.load")
-    p.add_argument("--max-new-tokens", type=int, help=f"default {MAX_NEW_TOKENS}, or less where the model's context "
-                   "leaves less room after the longest prompt (an explicit value is checked strictly)")
+    p.add_argument("--max-new-tokens", type=int,
+                   help=f"default {EVAL_MAX_NEW_TOKENS}, or less where the model's context leaves less room after the "
+                        "longest prompt (an explicit value is checked strictly)")
     p.add_argument("--temperature", type=float, default=None,
                    help=f"0 is greedy (default {TEMPERATURE}, or the preset's)")
     p.add_argument("--limit", type=int, help="first N problems only")
@@ -587,13 +588,13 @@ def _recorded_max_new(folder: Path) -> int | None:
 
 
 def default_max_new(config: EvalConfig, model, prompt_ids: Sequence[list[int]], model_name: str) -> EvalConfig:
-    """Fill an unset --max-new-tokens: MAX_NEW_TOKENS, capped at the room the longest prompt leaves in the
+    """Fill an unset --max-new-tokens: EVAL_MAX_NEW_TOKENS, capped at the room the longest prompt leaves in the
     model's context (whole blocks), said in one line; half the context with --truncate left or when a prompt
     cannot fit at all (then _fit_context names it and the fixes). A folder's earlier value is kept when it
     fits, so a resume with another --limit matches. An explicit value is left to _fit_context's strict check."""
     if config.max_new_tokens is not None:
         return config
-    new, limit = MAX_NEW_TOKENS, context_length(model)
+    new, limit = EVAL_MAX_NEW_TOKENS, context_length(model)
     if limit is None:
         return replace(config, max_new_tokens=new)
     longest = max(map(len, prompt_ids), default=0)

@@ -6,10 +6,15 @@ is installed and the reference elsewhere; ``DLLM_KERNELS`` or ``use_kernels(mode
 import ``triton`` and are loaded only when used.
 """
 
-from .dispatch import kernel_mode, use_kernels
-from .noise import draw_seed
-from .sampling import SampleConfidence, sample_confidence, sample_confidence_reference
-from .verify import Noise, VerifyResult, verify_logits, verify_logits_reference, verify_probs
+if not __name__.startswith("dllm."):  # imported by its bare name from the repository root: not ours to answer
+    from dllm._root_folders import hand_over
+
+    hand_over(__name__, __file__)
+else:
+    from .dispatch import kernel_mode, use_kernels
+    from .noise import draw_seed
+    from .sampling import SampleConfidence, sample_confidence, sample_confidence_reference
+    from .verify import Noise, VerifyResult, verify_logits, verify_logits_reference, verify_probs
 
 __all__ = [
     "Noise",

@@ -60,7 +60,9 @@ def use_triton(tensor: torch.Tensor) -> bool:
     if mode == "auto":
         return tensor.is_cuda and triton_installed()
     if not triton_installed():
-        raise RuntimeError("kernel mode 'triton' needs Triton installed (pip install triton)")
+        from dllm.extras import missing
+
+        raise RuntimeError(missing("triton", "gpu", "kernel mode 'triton'"))
     if not tensor.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("kernel mode 'triton' on CPU tensors needs TRITON_INTERPRET=1 set before the kernels "
                            "are imported (Triton compiles kernels only for GPUs)")

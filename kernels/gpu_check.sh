@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole GPU check of issue 7 in one short run, for a lent machine with CUDA, PyTorch and Triton already
+# The whole GPU check of the kernels in one short run, for a lent machine with CUDA, PyTorch and Triton already
 # installed (nothing is downloaded): the kernel benchmark at LLaDA-scale shapes, then the kernel tests at
 # full size (CUDA: V = 126464, the samplers with the kernels dispatched).
 #

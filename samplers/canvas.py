@@ -90,9 +90,11 @@ class Canvas:
         pending = [count for count in counts if count]
         return torch.argsort((left == 0).int(), stable=True)[: len(pending)], pending
 
-    def stop_at_eos(self, rows: torch.Tensor) -> None:
+    def stop_at_eos(self, rows: torch.Tensor, until: int | None = None) -> None:
         """Finish rows whose first revealed stop token has no mask before it, filling what follows it
-        (the rule of ``dllm.stops``: the stop token is kept).
+        (the rule of ``dllm.stops``: the stop token is kept). ``until``: a canvas position before which the sampler
+        may still change revealed tokens (LLaDA2.1's edits, inside the active block): a row then finishes only
+        once no mask is left before it either, when its answer up to the stop is settled.
 
         Tokens after the first stop are not part of the answer, so stopping there keeps every sampler's
         answer distribution unchanged while the row stops costing calls.
@@ -101,7 +103,8 @@ class Canvas:
             return
         answer = self.x[rows, self.prompt_length :]
         first = stops.first_stop(answer, self.eos_token_id)  # [R]
-        before = torch.arange(answer.shape[1], device=answer.device)[None, :] < first[:, None]
+        settled = first if until is None else first.clamp(min=until - self.prompt_length)
+        before = torch.arange(answer.shape[1], device=answer.device)[None, :] < settled[:, None]
         done = (first < answer.shape[1]) & ~((answer == self.mask_token_id) & before).any(dim=1)
         filled = stops.fill_after_stop(answer, self.eos_token_id)
         self.x[rows, self.prompt_length :] = torch.where(done[:, None], filled, answer)  # (no host sync)

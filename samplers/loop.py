@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from dllm.numerics import bind_rows
-from dllm.protocols import capabilities
+from dllm.protocols import capabilities, run_block_size
 from dllm.stats import DecodeStats, StepEvent
 
 from .canvas import Canvas
@@ -27,10 +27,13 @@ class Stepping:
     ``build(temperature, generator, stats, blocks, block_length, **options)`` -> its stepper; ``layout(model,
     options)`` -> a run function replacing the loop for a model layout that brings its own exact chain (fef and
     sequential on a two-stream model), or None to run the stepper; None: the stepper on every model.
+    ``check(options, eos_token_id)``: the sampler's checks of its options against the run's stop ids, before
+    anything is decoded (an official decoder's own name for them: LLaDA2's ``eos_id``).
     """
 
     build: Callable[..., Stepper]
     layout: Callable[[object, dict], Callable | None] | None = None
+    check: Callable[[dict, tuple[int, ...] | None], None] | None = None
 
 
 def options_stepper(cls) -> Callable[..., Stepper]:
@@ -42,7 +45,7 @@ def options_stepper(cls) -> Callable[..., Stepper]:
 
 
 def run(
-    stepping: Stepping, model, prompt, gen_length, *, temperature, generator, stats: DecodeStats, block_length: int,
+    stepping: Stepping, model, prompt, gen_length, /, *, temperature, generator, stats: DecodeStats, block_length: int,
     cache: str = "auto", attention_mask: torch.Tensor | None = None, eos_token_id: tuple[int, ...] | None = None,
     callback=None, **options,
 ) -> torch.Tensor:
@@ -52,6 +55,8 @@ def run(
     The loop is written out here, not in a helper, so that a model call is four frames below ``generate``
     (this loop, the step, the session, the model: ``python -m dllm.eval.study.call_depth``).
     """
+    if stepping.check is not None:
+        stepping.check(options, eos_token_id)
     layout = stepping.layout(model, options) if stepping.layout is not None else None
     if layout is not None:  # a model layout with its own exact loop (the two-stream layout: samplers/fef/two_stream.py)
         return layout(model, prompt, gen_length, temperature=temperature, generator=generator, stats=stats,
@@ -59,13 +64,14 @@ def run(
                       eos_token_id=eos_token_id, callback=callback)
     lead = tail = 0
     if capabilities(model).block_anchor == "absolute":  # blocks from position 0: the prompt's tail opens block 0
-        groups = _anchor_groups(prompt, attention_mask, capabilities(model).block_size)
+        size = run_block_size(model, block_length)  # the run's attention blocks (the checkpoint's, or block_length)
+        groups = _anchor_groups(prompt, attention_mask, size)
         if len(groups) > 1:  # rows whose prompts end at different places in a block decode apart
             return _by_group(stepping, model, prompt, gen_length, groups, temperature=temperature, generator=generator,
                              stats=stats, block_length=block_length, cache=cache, attention_mask=attention_mask,
                              eos_token_id=eos_token_id, callback=callback, **options)
-        into = groups[0][0]  # the prompts' length modulo the model's block
-        lead, tail = into % block_length, -(into + gen_length) % capabilities(model).block_size
+        into = groups[0][0]  # the prompts' length modulo the run's block
+        lead, tail = into % block_length, -(into + gen_length) % size
     canvas = Canvas.start(prompt, gen_length, block_length, model.mask_token_id, eos_token_id, lead, tail)
     stepper: Stepper = stepping.build(temperature, generator, stats, canvas.num_blocks, block_length, **options)
     session = open_session(cache, canvas, model, stats, attention_mask, stepper.lookahead,
@@ -78,7 +84,7 @@ def run(
             view = session.view(rows, left[1])
             new_x, info = stepper.step(view, stepper.logits(view))
             canvas.x[rows, view.offset : view.offset + new_x.shape[1]] = new_x
-            canvas.stop_at_eos(rows)
+            canvas.stop_at_eos(rows, canvas.span(block)[1] if getattr(stepper, "edits", False) else None)
             if callback is not None:
                 callback(StepEvent(**info, rows=rows, x=canvas.x[rows], offset=view.offset))
     return canvas.x[:, : canvas.x.shape[1] - tail]
@@ -95,7 +101,7 @@ def _anchor_groups(prompt: torch.Tensor, attention_mask: torch.Tensor | None,
     return [(value, (into == value).nonzero().squeeze(1)) for value in sorted(set(values))]
 
 
-def _by_group(stepping: Stepping, model, prompt, gen_length, groups, *, generator, attention_mask, callback,
+def _by_group(stepping: Stepping, model, prompt, gen_length, groups, /, *, generator, attention_mask, callback,
               **kwargs) -> torch.Tensor:
     """``run`` on each group of rows (``_anchor_groups``) -> the batch's sequences [B, P + N]. Per-row generators
     stay each row's own (bound to the group's rows); callback events name batch rows."""

@@ -10,20 +10,21 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, ClassVar
 
 from dllm.defaults import MAX_NEW, SAMPLER_DEFAULTS
 from dllm.numerics import check_int
-from dllm.protocols import capabilities
+from dllm.protocols import capabilities, run_block_size
 
 from .sessions import CACHE_MODES, session_exact
 
 MASKED = SAMPLER_DEFAULTS["masked"]
 
 
-KINDS = ("int", "float", "str", "dict", "drafter", "bool")  # what an option's value is; text is parsed by it
+KINDS = ("int", "float", "str", "dict", "drafter", "bool", "ints")  # what an option's value is; text is parsed by it
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,11 @@ class Option:
             if not isinstance(value, dict):
                 raise ValueError(f"{name} expects a JSON object such as '{{\"steps\": 64}}', got {text!r}")
             return value
+        if self.kind == "ints":  # "1,2", "[1, 2]" or "1"
+            try:
+                return [int(item) for item in text.strip().strip("[]").split(",") if item.strip()]
+            except ValueError:
+                raise ValueError(f"{name} expects ints separated by commas such as '1,2', got {text!r}") from None
         cast = int if self.kind == "int" else float
         try:
             return cast(text)
@@ -94,7 +100,8 @@ class SamplerConfig:
         options, values = self.options(), self.values()
         # block_length / steps default to max_new_tokens (also when passed as None), except that a
         # block-causal model's blocks are its own block_size when that divides max_new_tokens: decoding
-        # then matches training and the exact block cache applies.
+        # then matches training and the exact block cache applies. On a model whose blocks are a run's choice
+        # (Capabilities.run_blocks) a block_length also sets the run's attention blocks (run_block_size).
         caps = capabilities(model)
         block_size = caps.block_size
         absolute = bool(block_size) and caps.block_anchor == "absolute"  # blocks from position 0 (Canvas.lead)
@@ -108,12 +115,8 @@ class SamplerConfig:
                   else v for name, v in values.items()}
         for name, opt in options.items():
             opt.check(name, values[name])
-        if nested and "block_length" in values and block_size % values["block_length"]:
-            why = ("its blocks start at position 0, so a sampler's blocks nest in them" if absolute else
-                   f"{type(model).__name__} gives logits only inside its own blocks, so a sampler's block may not "
-                   "straddle two of them")
-            raise ValueError(f"block_length={values['block_length']} must divide this model's block_size={block_size}: "
-                             + why)
+        if block_size and "block_length" in values:
+            _check_run_blocks(values["block_length"], model, nested, absolute)
         if not absolute:  # an absolute canvas's blocks follow the prompt, not max_new_tokens (Canvas.lead, tail)
             _check_schedule(values, max_new_tokens)
         _check_cache(values, model)
@@ -122,6 +125,21 @@ class SamplerConfig:
         return replace(self, **values)
 
 
+
+
+def _check_run_blocks(block_length: int, model, nested: bool, absolute: bool) -> None:
+    """A sampler's blocks nest in the run's attention blocks (``run_block_size``); a run whose attention blocks are
+    not the checkpoint's (its block_length, on a model that takes blocks per run) says so in one UserWarning."""
+    block_size, size = capabilities(model).block_size, run_block_size(model, block_length)
+    if nested and size % block_length:
+        why = ("its blocks start at position 0, so a sampler's blocks nest in them" if absolute else
+               f"{type(model).__name__} gives logits only inside its own blocks, so a sampler's block may not "
+               "straddle two of them")
+        raise ValueError(f"block_length={block_length} must divide this model's block_size={block_size}: " + why)
+    if size != block_size:
+        warnings.warn(f"block_length={block_length} sets this run's attention blocks ({size} positions), not "
+                      f"{type(model).__name__}'s block_size={block_size}: the block-causal mask follows block_length, "
+                      "as the family's official decoder builds it", UserWarning, stacklevel=3)
 
 
 def int_at_least(minimum: int) -> Callable[[str, Any], None]:
@@ -143,6 +161,14 @@ def number(low: float, high: float = math.inf, *, low_open: bool = False, option
 def boolean(name: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
+def optional_ints(name: str, value: Any) -> None:
+    """None, one int >= 0 or a sequence of them (token ids)."""
+    if value is None:
+        return
+    for item in value if isinstance(value, list | tuple) else [value]:
+        check_int(name, item, 0)
 
 
 def optional_int(minimum: int):
@@ -204,7 +230,7 @@ def _check_cache(values: dict[str, Any], model) -> None:
         raise ValueError(f"cache='dual' needs a cache with drop(start, end); {type(model).__name__}'s has none")
     if cache == "block":
         block = values.get("block_length")
-        size, exact = caps.block_size, caps.cache_exact
+        size, exact = run_block_size(model, block), caps.cache_exact
         if not exact or size != block:
             raise ValueError(f"cache='block' is exact only for a block-causal model whose block_size equals "
                              f"block_length={block}; this model has block_size={size}, cache_exact={exact}. "

@@ -1,7 +1,8 @@
 """Every sampler by name: its run function, the model kind it needs and its config class (a table of names).
 
 Each family's package holds the rest: ``samplers/fef/``, ``samplers/sequential/``, ``samplers/ar_spec/`` (``ar``
-and ``ar_spec``) and ``samplers/baselines/`` (``llada``, ``dream``, ``fast_dllm``, ``eb``, ``native``).
+and ``ar_spec``) and ``samplers/baselines/`` (``llada``, ``dream``, ``fast_dllm``, ``eb``, ``llada2``, ``sdar``,
+``native``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,11 @@ def parse_options(sampler: str, items: Iterable[str], flag: str = "--option") ->
         if not sep or not key.strip():
             raise ValueError(f"{flag} expects KEY=VALUE, got {item!r}")
         pairs[key.strip()] = value.strip()
+    allowed = SAMPLERS[sampler].options if sampler in SAMPLERS else {}
+    unknown = sorted(set(pairs) - set(allowed))
+    if allowed and unknown:  # said before any model loads (the configs refuse them again at the door)
+        raise ValueError(f"{flag} names unknown option(s) {unknown} for sampler {sampler!r}; "
+                         f"allowed: {sorted(allowed)}")
     try:
         return typed_options(sampler, pairs)
     except ValueError as error:

@@ -3,14 +3,19 @@
 Decoding is block-synchronous: block k of every row is finished before any row starts block k + 1
 (rows that finish a block early wait and cost nothing). A *session* hands each step a *view* of the
 active rows: their tokens, the active block's positions inside the view, and a ``call`` that runs the
-model on tokens shaped like the view (copies included). Three sessions:
+model on tokens shaped like the view (copies included). Four sessions:
 
 - ``full``: every call sees the whole sequence (prompt + answer). Always exact.
 - ``block``: a KV cache holds the prompt and finished blocks; calls cover the active block only. Exact
-  for models whose cache is exact there (causal across blocks: ``cache_exact`` and ``block_size``).
+  for models whose cache is exact there (causal across blocks: ``cache_exact``, in the run's blocks).
 - ``prefix``: Fast-dLLM's prefix cache: at each block start one full call fills the cache, which keeps
   the prefix's keys; calls cover the active block and everything after it. An approximation for
   bidirectional models (cached keys never see later updates), so opt-in only.
+- ``dual``: Fast-dLLM's dual cache: the block-start call caches the prefix and the masked suffix; calls cover
+  the active block only. Approximate for the same reason, opt-in only.
+
+The run's attention blocks (``dllm.protocols.run_block_size``) reach the model here and only here: ``Caller``
+passes ``block_size=`` on every call of a model whose blocks are a run's choice (``Capabilities.run_blocks``).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import torch
 
 from dllm.counting import Call, structured_tokens
 from dllm.numerics import positions_from_mask
-from dllm.protocols import capabilities, gather_positions, has_cache, rolls_back
+from dllm.protocols import capabilities, gather_positions, has_cache, rolls_back, run_block_size
 from dllm.stats import DecodeStats
 
 from .canvas import Canvas, View
@@ -41,6 +46,7 @@ class Caller:
     stats: DecodeStats
     attention_mask: torch.Tensor | None = None  # [B, L_max] 0/1, left padding of ragged prompts
     block_offset: torch.Tensor | None = None  # [B] answer start in position-id coordinates
+    block_size: int | None = None  # the run's attention blocks, for a model that takes them per call (run_blocks)
     draft: bool = False
 
     def kwargs(self, rows: torch.Tensor, keys: slice) -> dict:
@@ -50,6 +56,8 @@ class Caller:
             out["attention_mask"] = self.attention_mask[rows, keys]
         if self.block_offset is not None:
             out["block_offset"] = self.block_offset[rows]
+        if self.block_size is not None:
+            out["block_size"] = self.block_size
         return out
 
     def count(self, input_ids: torch.Tensor, served: int | None, cache=None, tokens: int | None = None) -> None:
@@ -402,9 +410,10 @@ class DualCacheSession(PrefixCacheSession):
 
 
 def _part(values, part: slice):
-    """Inputs ``part`` of per-input ``values``: a tensor [N, ...], a dict of them, or None."""
+    """Inputs ``part`` of per-input ``values``: a tensor [N, ...], a dict of them (other values shared by every
+    input pass as they are: the run's block size), or None."""
     if isinstance(values, dict):
-        return {key: value[part] for key, value in values.items()}
+        return {key: value[part] if isinstance(value, torch.Tensor) else value for key, value in values.items()}
     return None if values is None else values[part]
 
 
@@ -430,7 +439,9 @@ class Stepper(Protocol):
 
     ``logits(view)``: what the step starts from, usually the model at the view's state (one call); ``step(view,
     logits)``: the round itself -> (the view's tokens after it, the step event's fields). ``lookahead``: the
-    step wants each call to score the next block too (``BlockCacheSession``).
+    step wants each call to score the next block too (``BlockCacheSession``). Optional: ``edits`` (True: a step may
+    rewrite revealed tokens of the active block, LLaDA2.1's, so a row stops at a stop token only once its block is
+    done: ``Canvas.stop_at_eos``'s ``until``).
     """
 
     lookahead: bool
@@ -453,17 +464,19 @@ def open_session(cache: str, canvas: Canvas, model, stats: DecodeStats, attentio
         mask = torch.ones((prompt.shape[0], length), dtype=torch.long, device=prompt.device)
         mask[:, : prompt.shape[1]] = attention_mask
     # Block-causal models line their blocks up with the answer (its first position, in position ids), or with
-    # position 0 when they were trained so (``block_anchor``: the canvas then opens with the prompt's tail).
-    offset = None
+    # position 0 when they were trained so (``block_anchor``: the canvas then opens with the prompt's tail); a
+    # model whose blocks are a run's choice gets the run's block size with every call.
+    offset = size = None
     caps = capabilities(model)
     if caps.block_size is not None:
         real = prompt.new_full((prompt.shape[0],), prompt.shape[1])
         offset = (attention_mask.sum(dim=1) if attention_mask is not None else real).long()
         if caps.block_anchor == "absolute":
             offset = torch.zeros_like(offset)
+        size = run_block_size(model, canvas.block_length) if caps.run_blocks else None
     mode = choose_session(cache, model, canvas.block_length)
     extra = {"lookahead": True} if mode == "block" and lookahead else {}
-    return SESSIONS[mode](canvas, Caller(model, stats, mask, offset), call_tokens=call_tokens, **extra)
+    return SESSIONS[mode](canvas, Caller(model, stats, mask, offset, size), call_tokens=call_tokens, **extra)
 
 
 def choose_session(cache: str, model, block_length: int) -> str:
@@ -471,7 +484,8 @@ def choose_session(cache: str, model, block_length: int) -> str:
     if cache != "auto":
         return cache
     caps = capabilities(model)
-    return "block" if caps.cache and caps.cache_exact and caps.block_size == block_length else "none"
+    exact = caps.cache and caps.cache_exact and caps.block_size is not None
+    return "block" if exact and run_block_size(model, block_length) == block_length else "none"
 
 
 def session_exact(model=None, *, cache: str = "auto", block_length: int | None = None,

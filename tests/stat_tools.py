@@ -42,18 +42,21 @@ def sharp(model, scale: float):
 
 
 def check_native_chain(model, prompt, gen: int, block_length: int, sampler: str, options: dict, wrong: dict,
-                       samples: int = 5000) -> None:
-    """An exact ``sampler`` on a small native model passes the chi-square test against the enumerated chain (its
-    label says exact), and the ``wrong`` generate arguments (an approximate decoder) fail the same test."""
+                       samples: int = 5000, order: str = "left_to_right") -> None:
+    """An exact ``sampler`` on a small native model passes the chi-square test against the enumerated chain in blocks
+    of ``block_length`` (its label says exact), and the ``wrong`` generate arguments (an approximate decoder) fail the
+    same test; both run with ``block_length`` (on SDAR and LLaDA2 the run's attention blocks too); ``order``: the
+    sampler's, which the chain follows."""
     import dllm
     from dllm.samplers import sequential_distribution
 
-    expected = sequential_distribution(model, prompt, gen, block_length=block_length, temperature=1.0)
+    expected = sequential_distribution(model, prompt, gen, block_length=block_length, temperature=1.0, order=order)
     runs = []
     with torch.no_grad():
         for arguments in ({"sampler": sampler, **options}, wrong):
             runs.append(dllm.generate(model, prompt.expand(samples, -1), max_new_tokens=gen, temperature=1.0,
-                                      eos_token_id=None, generator=torch.Generator().manual_seed(0), **arguments))
+                                      eos_token_id=None, generator=torch.Generator().manual_seed(0),
+                                      block_length=block_length, **arguments))
     assert runs[0].exact
     assert chi_square_pvalue(runs[0].sequences[:, prompt.numel():], expected) > ALPHA, (sampler, options)
     assert chi_square_pvalue(runs[1].sequences[:, prompt.numel():], expected) < ALPHA, wrong

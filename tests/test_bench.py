@@ -196,13 +196,16 @@ def test_plots_are_written(study):
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
 
 
-def test_random_and_jsonl_prompts(tiny_models, tmp_path):
+def test_random_and_jsonl_prompts(tiny_models, tmp_path, capsys):
     flags = model_flags(tiny_models) + ["--max-new-tokens", "4", "--batch-size", "2", "--repeats", "1",
                                         "--threads", "1", "--config", "name=ar;model=ar;sampler=ar",
                                         "--config", "name=fef;model=diffusion;sampler=fef;window=2"]
     assert bench.main(flags + ["--prompts", "random", "--num-prompts", "3", "--output", str(tmp_path / "r")]) == 0
     results = json.loads((tmp_path / "r" / "results.json").read_text())
     assert not results["prompts"]["scored"] and all(r["accuracy"] is None for r in results["runs"])
+    # no --baseline and no 'ar greedy': the first configuration is the baseline, and the run says so
+    assert results["baseline"] == "ar"
+    assert "dllm bench: speedups are relative to 'ar', the first configuration" in capsys.readouterr().err
     file = tmp_path / "p.jsonl"
     file.write_text('{"prompt": "Question: 1+1?\\nAnswer:"}\n{"prompt": "Hi"}\n')
     assert bench.main(flags + ["--prompts", str(file), "--output", str(tmp_path / "j")]) == 0

@@ -172,6 +172,36 @@ def _one_line_exit(argv, capsys, status: int = 2) -> str:
     return captured.err.strip()
 
 
+def test_unknown_option_and_wrong_model_kind_say_what_fits(capsys, monkeypatch):
+    import dllm.cli
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the option was checked")
+
+    monkeypatch.setattr(dllm.cli, "_load", no_loading)  # refused at the door, before seconds of loading
+    message = _one_line_exit(["generate", "Tom", "--option", "windw=8"], capsys)
+    assert message.startswith("dllm generate: --option names unknown option(s) ['windw'] for sampler 'fef'; "
+                              "allowed: [") and "'window'" in message
+    monkeypatch.undo()
+    message = _one_line_exit(["generate", "Tom", "--sampler", "ar", "--model", "diffusion"], capsys)
+    assert message.endswith("this TransformerLM is a diffusion model (samplers for it: dream, eb, fast_dllm, fef, "
+                            "llada, llada2, native, sdar, sequential)")
+    message = _one_line_exit(["generate", "Tom", "--sampler", "fef", "--model", "ar"], capsys)
+    assert message.endswith("this TransformerLM is a causal model (samplers for it: ar, ar_spec, native)")
+
+
+def test_version_and_help_show_defaults(capsys):
+    from dllm import __version__
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out == f"dllm {__version__}\n"
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default 64)" in text and "(default 0)" in text and "(default 0.0)" in text
+
+
 def test_missing_model_and_drafter_are_one_line(capsys, tmp_path):
     assert _one_line_exit(["generate", "--model", str(tmp_path / "nowhere")], capsys) == \
         f"dllm generate: --model {tmp_path / 'nowhere'}: no such folder (a checkpoint folder or a hub id such as " \
@@ -194,7 +224,11 @@ def test_trace_png_without_matplotlib_fails_before_decoding(checkpoints, capsys,
     # a missing library is not a usage error: status 1
     assert main(["generate", "Tom", "--model", str(checkpoints["diffusion"]), "--trace", str(tmp_path / "x.png")]) == 1
     captured = capsys.readouterr()
-    assert captured.err.startswith("dllm generate: the trace x.png needs matplotlib (pip install")
+    from dllm.extras import install_command
+
+    assert captured.err == ("dllm generate: the trace x.png (an .html trace does not) needs matplotlib, which is not "
+                            f"installed: {install_command('bench')}\n")
+    assert install_command("bench").endswith('[bench]"')
     assert captured.out == ""  # nothing loaded, nothing decoded
 
 

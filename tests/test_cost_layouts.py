@@ -123,4 +123,7 @@ def test_bench_without_matplotlib_says_so_in_one_line(tmp_path, monkeypatch, cap
 
     monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # import matplotlib now raises
     assert write_plots([], tmp_path) == []
-    assert capsys.readouterr().err == "dllm bench: matplotlib is not installed, so no plots (pip install matplotlib)\n"
+    from dllm.extras import install_command
+
+    assert capsys.readouterr().err == ("dllm bench: no plots: plotting needs matplotlib, which is not installed: "
+                                       f"{install_command('bench')}\n")

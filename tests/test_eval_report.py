@@ -95,3 +95,18 @@ def test_chart_goes_beside_the_results_not_into_the_working_directory(runs, tmp_
     assert (tmp_path / "eval_report.png").is_file()
     assert list(elsewhere.iterdir()) == []
     assert capsys.readouterr().out.rstrip().endswith(f"chart: {tmp_path / 'eval_report.png'}")
+
+
+def test_report_without_matplotlib_prints_the_table_and_says_how_to_draw_the_chart(runs, monkeypatch, capsys):
+    from dllm.cli import main
+    from dllm.extras import install_command
+
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # import matplotlib now raises
+    assert report.main([str(r) for r in runs]) == 0  # the table is the report; the chart is not drawn
+    captured = capsys.readouterr()
+    assert "gsm8k-fef | gsm8k | fef |" in captured.out
+    assert captured.err == ("dllm eval report: no chart: the runs' plot needs matplotlib, which is not installed: "
+                            f"{install_command('eval')}\n")
+    # a chart asked for by name that cannot be drawn is a failure, said in one line with the same command
+    assert main(["eval", "report", str(runs[0]), "--png", str(runs[0] / "x.png")]) == 1
+    assert capsys.readouterr().err.endswith(f"needs matplotlib, which is not installed: {install_command('eval')}\n")

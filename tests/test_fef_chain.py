@@ -1,11 +1,11 @@
 """Chain windows for the fef head: each slot's target is the verifier's copy on the backbone's own chain."""
 
 import torch
+from test_fef_head_training import tiny_backbone
 
 import dllm
 from dllm.models.draft_head import DraftHead, DraftHeadConfig
 from dllm.training.fef_chain import chain_acceptance, rollout_windows, train_head
-from tests.test_fef_head_training import tiny_backbone
 
 
 def _rollout(model, prompts, temperature, blocks=2):

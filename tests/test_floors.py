@@ -2,8 +2,9 @@
 
 Read from the source (every ``import``, at module level or inside a function), so that a lazy import cannot
 hide an upward edge. Floors, lowest first: the ground (protocols, statistics, numerics, stops, defaults,
-counting, syncs, models, data, kernels), the samplers, and the front door (``generate``, ``load``, the CLI,
-evaluation and speed studies, training, which evaluates through ``generate``).
+counting, syncs, models, data, kernels, the guard that keeps the top-level folders from answering their bare names,
+the message for a missing extra), the samplers, and the front door (``generate``, ``load``, the CLI, evaluation and
+speed studies, training, which evaluates through ``generate``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = {"dllm": ROOT / "dllm", "dllm.samplers": ROOT / "samplers", "dllm.kernels": ROOT / "kernels",
            "dllm.eval": ROOT / "eval"}
 GROUND = ("dllm.protocols", "dllm.stats", "dllm.numerics", "dllm.stops", "dllm.defaults", "dllm.counting",
-          "dllm.syncs", "dllm.models", "dllm.data", "dllm.kernels")
+          "dllm.syncs", "dllm.models", "dllm.data", "dllm.kernels", "dllm._root_folders", "dllm.extras")
 MIDDLE = ("dllm.samplers",)
 
 

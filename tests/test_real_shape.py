@@ -146,7 +146,8 @@ def test_bad_flags_are_one_line_naming_the_flag(capsys, tmp_path):
     assert _one_line(["plan", "--batch-size", "0"], capsys) == "dllm plan: --batch-size must be >= 1, got 0"
     assert "--sampler must be one of sequential, fef" in _one_line(["plan", "--sampler", "llada"], capsys)
     assert _one_line(["plan", "--model", "nope"], capsys).startswith("dllm plan: --model nope:")
-    assert "--option: unknown option(s) ['windw']" in _one_line(["plan", "--option", "windw=8"], capsys)
+    assert "--option names unknown option(s) ['windw'] for sampler 'fef'" in _one_line(["plan", "--option", "windw=8"],
+                                                                                       capsys)
 
 
 def test_plan_prints_each_part_and_json(capsys):

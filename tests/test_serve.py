@@ -1,13 +1,17 @@
 """``dllm serve`` through the real ``openai`` client on the loopback address, with the shipped models: what it
 answers equals offline ``dllm.generate``; seeded samples do not depend on the batch and follow the sampler's law;
-streams, concurrency, cancellation, the queue bound, bad requests and failures behave as documented."""
+streams, concurrency, cancellation, the queue bound, bad requests, models not served, defaults, chat templates,
+failures and signals behave as documented."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
+import shutil
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +24,8 @@ from stat_tools import ALPHA, chi_square_pvalue
 
 QUESTIONS = [f"Tom has {a} bags with {b} apples each. How many apples does Tom have?"
              for a in range(2, 6) for b in range(3, 7)]  # 16 prompts
+WEIGHTS = Path(dllm.__file__).resolve().parent / "weights"
+SHIPPED_MODELS = sorted(p.name for p in WEIGHTS.iterdir() if (p / "tokenizer.json").is_file())
 
 
 @pytest.fixture(scope="module")
@@ -173,6 +179,129 @@ def test_chat_stream_and_routes(diffusion_server):
         assert frames and "\u2591" in frames[0]["choices"][0]["canvas"]  # masked positions shown
 
 
+# ------------------------------------------------------------------------------------------------ names, defaults
+
+
+def test_a_model_not_served_gets_404_model_not_found_and_no_model_gets_the_served_one(diffusion_server):
+    import httpx
+    from openai import NotFoundError
+
+    before = diffusion_server.engine.counts.lanes_done
+    with pytest.raises(NotFoundError, match="gpt-4") as raised:
+        diffusion_server.client().completions.create(model="gpt-4", prompt=format_example(QUESTIONS[0]),
+                                                     max_tokens=8)
+    assert (raised.value.code, raised.value.param, raised.value.type) == \
+        ("model_not_found", "model", "invalid_request_error")
+    chat = httpx.post(diffusion_server.url + "/v1/chat/completions",
+                      json={"model": "gpt-4", "messages": [{"role": "user", "content": QUESTIONS[0]}]})
+    assert chat.status_code == 404 and chat.json()["error"]["code"] == "model_not_found"
+    assert diffusion_server.engine.counts.lanes_done == before  # nothing reached the engine
+    unnamed = httpx.post(diffusion_server.url + "/v1/completions", json={"prompt": format_example(QUESTIONS[0]),
+                                                                          "max_tokens": 8, "temperature": 0})
+    assert unnamed.status_code == 200 and unnamed.json()["model"] == "diffusion"  # the first served name
+
+
+def test_the_server_defaults_are_openai_s_temperature_and_dllm_s_max_new_tokens_and_shown(diffusion_server):
+    """A request without temperature or max_tokens samples at T=1 (OpenAI's default) for MAX_NEW_TOKENS tokens:
+    the seeded offline run at those settings; /v1/models and the response's dllm object say so."""
+    import httpx
+
+    from dllm.defaults import MAX_NEW_TOKENS, SERVE_TEMPERATURE
+
+    listed = httpx.get(diffusion_server.url + "/v1/models").json()["data"][0]["dllm"]
+    assert (listed["temperature"], listed["max_tokens"], listed["sampler"]) == (1.0, MAX_NEW_TOKENS, "fef")
+    assert SERVE_TEMPERATURE == 1.0
+    prompt = format_example(QUESTIONS[4])
+    response = diffusion_server.client().completions.create(model="diffusion", prompt=prompt, seed=11)
+    extension = response.model_extra["dllm"]
+    assert (extension["temperature"], extension["max_tokens"]) == (1.0, MAX_NEW_TOKENS)
+    model = diffusion_server.app.state.settings.model
+    assert _tokens(response) == _offline(model, prompt, 11, sampler="fef", max_new_tokens=MAX_NEW_TOKENS,
+                                         temperature=1.0)
+
+
+def test_served_model_names_and_a_greedy_default_are_flags():
+    require_serve()
+    import httpx
+    from openai import NotFoundError
+
+    from dllm.serve.cli import build
+
+    app = build(serve_args("--model", "diffusion", "--served-model-name", "dllm-small", "gsm", "--default-temperature",
+                           "0", "--default-max-tokens", "24"))
+    with LiveServer(app) as server:
+        listed = httpx.get(server.url + "/v1/models").json()["data"]
+        assert [entry["id"] for entry in listed] == ["dllm-small", "gsm"]
+        assert (listed[1]["dllm"]["temperature"], listed[1]["dllm"]["max_tokens"]) == (0.0, 24)
+        client = server.client()
+        prompt = format_example(QUESTIONS[6])
+        response = client.completions.create(model="gsm", prompt=prompt, seed=5)  # no temperature, no max_tokens
+        assert response.model == "gsm" and response.model_extra["dllm"]["temperature"] == 0.0
+        assert _tokens(response) == _offline(app.state.settings.model, prompt, 5, sampler="fef", max_new_tokens=24,
+                                             temperature=0)
+        with pytest.raises(NotFoundError, match="dllm-small"):  # the message lists what is served
+            client.completions.create(model="diffusion", prompt=prompt)
+
+
+# ------------------------------------------------------------------------------------------------ chat templates
+
+
+@pytest.mark.parametrize("name", SHIPPED_MODELS)
+def test_each_shipped_folder_declares_its_training_format_as_its_chat_template(name):
+    """transformers reads the template from the folder, and so does dllm.load: one user message through it is
+    the training format dllm generate builds without --chat."""
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "user", "content": QUESTIONS[0]}]
+    for tokenizer in (AutoTokenizer.from_pretrained(WEIGHTS / name), dllm.load(name).tokenizer):
+        assert tokenizer.chat_template
+        assert tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
+            format_example(QUESTIONS[0])
+        assert dllm.apply_chat_template(tokenizer, QUESTIONS[0]) == format_example(QUESTIONS[0])
+
+
+def test_dllm_generate_chat_and_the_chat_route_give_the_same_answer(diffusion_server, capsys):
+    from dllm.cli import main
+
+    assert main(["generate", QUESTIONS[2], "--chat", "--json", "--max-new-tokens", "32", "--temperature", "0"]) == 0
+    offline = json.loads(capsys.readouterr().out)
+    chat = diffusion_server.client().chat.completions.create(
+        model="diffusion", messages=[{"role": "user", "content": QUESTIONS[2]}], max_tokens=32, temperature=0)
+    assert offline["prompt"] == format_example(QUESTIONS[2])
+    assert chat.choices[0].message.content == offline["completion"] and "####" in offline["completion"]
+
+
+def test_a_tokenizer_without_a_chat_template_fails_alike_in_generate_and_serve(tmp_path, capsys):
+    """The same message from dllm generate --chat (exit 2) and the chat route (400), each naming its fix; the
+    serve flag --chat-template FILE then makes the route work."""
+    require_serve()
+    import httpx
+
+    from dllm.cli import main
+    from dllm.serve.cli import build
+
+    folder = tmp_path / "plain"
+    folder.mkdir()
+    for file in ("config.json", "model.safetensors", "tokenizer.json"):
+        shutil.copyfile(WEIGHTS / "diffusion" / file, folder / file)
+    assert main(["generate", QUESTIONS[0], "--model", str(folder), "--chat"]) == 2
+    said = capsys.readouterr().err.strip()
+    lead = "has no chat template (a model folder declares one in chat_template.jinja"
+    assert lead in said and said.endswith("pass the prompt as plain text instead")
+    messages = [{"role": "user", "content": QUESTIONS[0]}]
+    with LiveServer(build(serve_args("--model", str(folder)))) as server:
+        refused = httpx.post(server.url + "/v1/chat/completions", json={"messages": messages})
+        message = refused.json()["error"]["message"]
+        assert refused.status_code == 400 and lead in message and "--chat-template FILE" in message
+    template = str(WEIGHTS / "diffusion" / "chat_template.jinja")
+    with LiveServer(build(serve_args("--model", str(folder), "--chat-template", template))) as server:
+        chat = server.client().chat.completions.create(model=str(folder), messages=messages, max_tokens=16,
+                                                       temperature=0)
+        plain = server.client().completions.create(model=str(folder), prompt=format_example(QUESTIONS[0]),
+                                                   max_tokens=16, temperature=0)
+        assert chat.choices[0].message.content == plain.choices[0].text
+
+
 def test_stop_strings_end_the_text_and_the_lane(diffusion_server):
     client = diffusion_server.client()
     prompt = format_example(QUESTIONS[3])
@@ -183,6 +312,11 @@ def test_stop_strings_end_the_text_and_the_lane(diffusion_server):
     streamed = client.completions.create(model="diffusion", prompt=prompt, max_tokens=32, temperature=0, stop=stop,
                                          stream=True)
     assert "".join(c.choices[0].text for c in streamed if c.choices) == cut.choices[0].text
+    llada = {"sampler": "llada"}  # an approximate sampler: a lane its stop string ends early is not called exact
+    full = client.completions.create(model="diffusion", prompt=prompt, max_tokens=32, temperature=0, extra_body=llada)
+    cut = client.completions.create(model="diffusion", prompt=prompt, max_tokens=32, temperature=0,
+                                    stop=full.choices[0].text.strip()[4:7], extra_body=llada)
+    assert cut.choices[0].finish_reason == "stop" and cut.model_extra["dllm"]["exact"] is False
 
 
 @pytest.mark.parametrize("body, field", [
@@ -207,6 +341,7 @@ def test_stop_strings_end_the_text_and_the_lane(diffusion_server):
     ({"prompt": "hi", "logprobs": 3}, "logprobs"),
     ({"prompt": "hi", "stream": "yes"}, "stream"),
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": "hi", "model": 5}, "model"),
     ({"messages": [{"role": "user", "content": "hi"}]}, "messages"),
 ], ids=lambda value: value if isinstance(value, str) else None)
 def test_bad_completions_get_400_naming_the_field(diffusion_server, body, field):
@@ -339,10 +474,13 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_sigterm_finishes_the_requests_in_flight_and_exits_0():
-    """The real command in a process of its own: a stream in flight when SIGTERM comes is answered to its end,
-    no new connection is taken, and the process exits 0."""
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGINT"])
+def test_sigterm_and_sigint_finish_the_requests_in_flight_and_exit_0(name):
+    """The real command in a session of its own: a stream in flight when the signal comes (SIGTERM to the process,
+    SIGINT to its process group, as a terminal's Ctrl-C) is answered to its end, no new connection is taken, and
+    the process exits 0 within the grace."""
     require_serve()
+    import os
     import signal
     import subprocess
     import sys
@@ -351,7 +489,7 @@ def test_sigterm_finishes_the_requests_in_flight_and_exits_0():
 
     port = _free_port()
     process = subprocess.Popen([sys.executable, "-m", "dllm.cli", "serve", "--port", str(port), "--grace", "20"],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -369,10 +507,14 @@ def test_sigterm_finishes_the_requests_in_flight_and_exits_0():
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
             for line in response.iter_lines():
                 if not lines and line.startswith("data: {"):
-                    process.send_signal(signal.SIGTERM)
+                    if name == "SIGINT":
+                        os.killpg(process.pid, signal.SIGINT)
+                    else:
+                        process.send_signal(signal.SIGTERM)
                 lines.append(line)
         assert lines[-2] == "data: [DONE]" or lines[-1] == "data: [DONE]"
-        assert process.wait(timeout=30) == 0
+        assert process.wait(timeout=20 + 10) == 0
+        assert process.stdout.read().strip().endswith(f"stopped by {name}")
         with pytest.raises(httpx.TransportError):
             httpx.get(url + "/health")
     finally:
@@ -388,31 +530,52 @@ def test_bad_flags_fail_in_one_line(capsys):
     assert main(["--max-batch-size", "0"]) == 2
     assert main(["--sampler", "ar"]) == 2
     assert main(["--chat-template", "/no/such/file"]) == 2
+    assert main(["--default-temperature", "-1"]) == 2
+    assert main(["--served-model-name", "a", "a"]) == 2
     errors = capsys.readouterr().err.strip().splitlines()
     assert errors[0].startswith("dllm serve: ") and "--max-batch-size" in errors[0]
     assert "sampler" in errors[1] and "--chat-template" in errors[2]
+    assert "--default-temperature" in errors[3] and "--served-model-name" in errors[4]
 
 
 def test_the_readme_serving_commands_work_as_printed():
-    """The README's two commands, on a free port: the server starts, and the curl line gets a seeded completion
-    whose sampler options came from the body."""
+    """The README's commands, on a free port: the server starts, the curl line gets a seeded completion whose
+    sampler options came from the body, and what the command prints is what the README shows after it."""
+    require_serve()
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    _check_serving_section(readme.split("## Serving\n", 1)[1].split("\n## ", 1)[0])
+
+
+def test_the_guide_s_example_prints_what_the_guide_shows():
+    """docs/guides/serve.md's Python example against the server it names (dllm serve --dtype float32)."""
     require_serve()
     import re
-    import shlex
     import subprocess
     import sys
-    from pathlib import Path
+
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "guides" / "serve.md").read_text()
+    flags, code, shown = re.search(r"With\s+`dllm serve ([^`]*)` running on a CPU:\s+```python\n(.*?)```.*?"
+                                   r"```text\n(.*?)```", guide, re.S).groups()
+    with _serve_command(flags.split()) as port:
+        printed = subprocess.run([sys.executable, "-c", code.replace("8000", port)], capture_output=True, text=True,
+                                 timeout=120)
+    assert printed.stdout == shown, printed.stderr[-2000:]
+
+
+@contextlib.contextmanager
+def _serve_command(argv: list[str]):
+    """``dllm serve ARGV`` in a process of its own on a free port (``--port`` replaced); yields the port once it
+    answers, and ends it with SIGTERM (exit 0)."""
+    import subprocess
+    import sys
 
     import httpx
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    body = readme.split("## Serving\n", 1)[1].split("\n## ", 1)[0]
-    serve_line, curl = re.search(r"```bash\n(.*?)\n(.*?)```", body, re.S).groups()
     port = str(_free_port())
-    serve_argv = shlex.split(serve_line.split("#")[0].replace("8000", port))
-    assert serve_argv[:2] == ["dllm", "serve"]
-    process = subprocess.Popen([sys.executable, "-m", "dllm.cli", *serve_argv[1:]], stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
+    if "--port" in argv:
+        argv = argv[: argv.index("--port")] + argv[argv.index("--port") + 2:]
+    process = subprocess.Popen([sys.executable, "-m", "dllm.cli", "serve", *argv, "--port", port],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -422,14 +585,33 @@ def test_the_readme_serving_commands_work_as_printed():
             except httpx.TransportError:
                 assert process.poll() is None and time.monotonic() < deadline, process.stdout.read()
                 time.sleep(0.2)
-        done = subprocess.run(["bash", "-c", curl.replace("8000", port)], capture_output=True, text=True,
-                              timeout=60)
-        answer = json.loads(done.stdout)
-        assert answer["choices"][0]["text"] and answer["dllm"]["seed"] == 3
-        assert answer["dllm"]["options"]["window"] == 8 and answer["dllm"]["exact"] is True
+        yield port
     finally:
         process.terminate()
         assert process.wait(timeout=30) == 0
+
+
+def _check_serving_section(body: str) -> None:
+    import re
+    import shlex
+    import subprocess
+    import sys
+
+    serve_line, command = re.search(r"```bash\n(.*?)\n(.*?)```", body, re.S).groups()
+    shown = re.search(r"```bash\n.*?```.*?```text\n(.*?)```", body, re.S)
+    serve_argv = shlex.split(serve_line.split("#")[0])
+    assert serve_argv[:2] == ["dllm", "serve"]
+    command = command.replace("python -c", f"{shlex.quote(sys.executable)} -c")
+    with _serve_command(serve_argv[2:]) as port:
+        curl = re.split(r"\|\s*\n", command)[0]  # the request, before a pipe that prints part of its answer
+        done = subprocess.run(["bash", "-c", curl.replace("8000", port)], capture_output=True, text=True, timeout=60)
+        answer = json.loads(done.stdout)
+        assert answer["choices"][0]["text"] and answer["dllm"]["seed"] == 3
+        assert answer["dllm"]["options"]["window"] == 8 and answer["dllm"]["exact"] is True
+        if shown is not None:
+            printed = subprocess.run(["bash", "-c", command.replace("8000", port)], capture_output=True, text=True,
+                                     timeout=60)
+            assert printed.stdout == shown.group(1), printed.stderr
 
 
 def test_the_load_study_runs_and_checks_every_answer(tmp_path):

@@ -90,3 +90,23 @@ def test_the_distilled_drafter_keeps_ar_spec_the_targets_greedy_chain(models):
                                  drafter=models["ar_diffusion_drafter"], num_draft_tokens=8)
         assert torch.equal(spec.sequences, plain.sequences)
         assert spec.stats.nfe < spec.stats.new_tokens
+
+
+def test_every_shipped_model_declares_the_training_format_and_exports_carry_it(tmp_path):
+    from transformers import AutoTokenizer
+
+    from dllm.data.tokenizer import CHAT_TEMPLATE, export_tokenizer
+
+    models = [folder for folder in WEIGHTS.iterdir() if (folder / "tokenizer.json").is_file()]
+    assert {"ar", "diffusion", "two_stream", "sdar", "drafter", "ar_diffusion_drafter"} <= {m.name for m in models}
+    for folder in models:  # one template, the project's training format, in every model folder
+        assert (folder / CHAT_TEMPLATE.name).read_text() == CHAT_TEMPLATE.read_text(), folder.name
+    # an exported model (a trained run's tokenizer.json alone) gets the same files, and AutoTokenizer reads them
+    export_tokenizer(WEIGHTS / "diffusion" / "tokenizer.json", tmp_path / "bare")
+    for name in ("tokenizer_config.json", CHAT_TEMPLATE.name):  # as a runs/ folder: tokenizer.json alone
+        (tmp_path / "bare" / name).unlink()
+    export_tokenizer(tmp_path / "bare" / "tokenizer.json", tmp_path / "out")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out")
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "Tom has 3 bags."}], tokenize=False,
+                                         add_generation_prompt=True)
+    assert text == format_example("Tom has 3 bags.") and tokenizer.mask_token == "<|mask|>"

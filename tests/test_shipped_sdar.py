@@ -2,11 +2,12 @@
 (blocks from position 0, as SDAR) and the hub SDAR export (dllm/training/sdar.py)."""
 
 import json
+import warnings
 
 import pytest
 import torch
 from fixtures.hf.remote_checkpoints import max_logit_diff
-from fixtures.hf.sdar_checkpoints import reference_logits, reference_model
+from fixtures.hf.sdar_checkpoints import hub_model, reference_logits, reference_model
 
 import dllm
 from dllm.data.synthetic import format_example, heldout_set
@@ -143,6 +144,10 @@ def test_export_loads_as_native_sdar_with_the_same_logits(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(native(x, block_offset=torch.zeros(2, dtype=torch.long))[..., keep],
                                    model(x, block_offset=0)[..., keep], rtol=0, atol=0)
+    generation = json.loads((tmp_path / "hub" / "generation_config.json").read_text())
+    assert generation == {"bos_token_id": 3, "eos_token_id": EOS, "pad_token_id": PAD}
+    assert max_logit_diff(native(x[:1], block_offset=torch.zeros(1, dtype=torch.long)),
+                          reference_logits(hub_model(tmp_path / "hub"), x[:1], 4), MASK) < 1e-4
 
 
 # --- the shipped model --------------------------------------------------------------------------------------
@@ -185,13 +190,43 @@ def test_shipped_sdar_equals_the_real_sdar_code(sdar_model):
 
 
 @shipped
+@pytest.mark.parametrize("block", [4, 8, 2])
+def test_shipped_folder_runs_in_sdars_own_code_as_its_config_makes_it(sdar_model, block):
+    """The shipped folder is a hub SDAR folder: SDAR's own modelling code builds from its config.json as is (every key
+    that code reads is there; nothing patched in) and gives the native load's logits, in the checkpoint's blocks of 4
+    and in a run's own (the official decoder's mask of its block_length; ours by the run's block_size=)."""
+    ids = torch.cat([_prompts(sdar_model.tokenizer, [1])[0], torch.full((1, 7), 2)], dim=1)
+    reference = hub_model(FOLDER)
+    with torch.no_grad():
+        ours = sdar_model(ids, block_offset=torch.zeros(1, dtype=torch.long), block_size=block)
+    assert max_logit_diff(ours, reference_logits(reference, ids, block), 2) < 1e-4
+
+
+@shipped
+def test_a_folder_without_sdars_config_keys_fails_in_its_code(tmp_path):
+    """What the test above guards against: the folder as it was shipped before (configuration_sdar.py's keys only)
+    cannot run a forward in SDAR's code."""
+    config = json.loads((FOLDER / "config.json").read_text())
+    for key in ("fuse_cross_entropy", "ep_size", "micro_forward", "use_deepep", "skip_checkpoint", "debug", "auto_map"):
+        config.pop(key)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").symlink_to(FOLDER / "model.safetensors")
+    with pytest.raises(AttributeError, match="fuse_cross_entropy"):
+        reference_logits(hub_model(tmp_path), torch.tensor([[5, 6, 7, 2]]), 4)
+
+
+@shipped
+@pytest.mark.parametrize("block", [4, 8])
 @pytest.mark.parametrize("index", [0, 1, 2])
-def test_shipped_sdar_fef_at_zero_temperature_is_greedy_sequential(sdar_model, index):
+def test_shipped_sdar_fef_at_zero_temperature_is_greedy_sequential(sdar_model, index, block):
+    """In the checkpoint's blocks of 4 and in a run's blocks of 8."""
     prompt = _prompts(sdar_model.tokenizer, [index])[0]
     outputs = {}
     for sampler, options in (("sequential", {"order": "left_to_right"}), ("fef", {"window": 4})):
-        out = dllm.generate(sdar_model, prompt, sampler=sampler, max_new_tokens=16, temperature=0.0, block_length=4,
-                            **options)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "block_length=8 sets this run's attention blocks", UserWarning)
+            out = dllm.generate(sdar_model, prompt, sampler=sampler, max_new_tokens=16, temperature=0.0,
+                                block_length=block, **options)
         outputs[sampler] = out.sequences
     assert torch.equal(outputs["fef"], outputs["sequential"])
     answer = sdar_model.tokenizer.decode(outputs["fef"][0, prompt.shape[1]:])

@@ -13,6 +13,8 @@ Usage: ``python -m dllm.data.tokenizer --out runs/tokenizer.json`` trains on 20k
 """
 
 import argparse
+import json
+import shutil
 import statistics
 from collections.abc import Iterable
 from pathlib import Path
@@ -26,6 +28,30 @@ from dllm.data.synthetic import PRESETS, ProblemConfig, format_example, generate
 PAD, EOS, MASK, BOS = "<|pad|>", "<|eos|>", "<|mask|>", "<|bos|>"
 SPECIAL_TOKENS = (PAD, EOS, MASK, BOS)  # in id order
 DEFAULT_VOCAB_SIZE = 2048
+# What a model folder holds beside tokenizer.json, so transformers' AutoTokenizer and chat front ends read it as
+# dllm.load does: the special tokens by name, and the training format (format_example) as the chat template.
+TOKENIZER_CONFIG = {"tokenizer_class": "PreTrainedTokenizerFast", "pad_token": PAD, "eos_token": EOS,
+                    "mask_token": MASK, "bos_token": BOS, "clean_up_tokenization_spaces": False,
+                    "model_max_length": 256}
+CHAT_TEMPLATE = Path(__file__).with_name("chat_template.jinja")  # "Question: ...\nAnswer:" as a chat template
+
+
+def export_tokenizer(tokenizer: str | Path, folder: str | Path) -> None:
+    """Write a model folder's tokenizer files from ``tokenizer`` (a tokenizer.json, or a folder holding one):
+    tokenizer.json, and the folder's tokenizer_config.json and chat_template.jinja where it has them, else this
+    project's (every model trained here reads the synthetic training format)."""
+    source, folder = Path(tokenizer), Path(folder)
+    source_folder = source if source.is_dir() else source.parent
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(source / "tokenizer.json" if source.is_dir() else source, folder / "tokenizer.json")
+    config = source_folder / "tokenizer_config.json"
+    if config.is_file() and config.resolve() != (folder / config.name).resolve():
+        shutil.copyfile(config, folder / config.name)
+    elif not config.is_file():
+        (folder / config.name).write_text(json.dumps(TOKENIZER_CONFIG, indent=2) + "\n")
+    template = source_folder / CHAT_TEMPLATE.name
+    if (template if template.is_file() else CHAT_TEMPLATE).resolve() != (folder / CHAT_TEMPLATE.name).resolve():
+        shutil.copyfile(template if template.is_file() else CHAT_TEMPLATE, folder / CHAT_TEMPLATE.name)
 
 
 def _untrained_bpe() -> Tokenizer:

@@ -195,12 +195,13 @@ class HubUnreachableError(OSError):
         self.reason = f"the hub ({endpoint}) could not be reached: {reason}"
 
 
-def check_hub_reachable(name: str, kw: dict) -> None:
+def check_hub_reachable(name: str, kw: dict, repo_type: str = "model", filename: str = "config.json") -> None:
     """Fail fast, after one request, when hub id ``name`` is neither cached nor reachable: huggingface_hub
     would retry the connection five times with backoff (about 25 s of warnings) before the same failure.
 
-    No request when the hub is off (HF_HUB_OFFLINE, ``local_files_only``) or the config is cached; an answer
-    from the hub (not found, gated) or a malformed id is left to the load, which reports it as before.
+    No request when the hub is off (HF_HUB_OFFLINE, ``local_files_only``) or ``filename`` is cached (the model's
+    config; a dataset's card, which ``datasets`` reads first); an answer from the hub (not found, gated) or a
+    malformed id is left to the load, which reports it as before.
     """
     from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url, try_to_load_from_cache
     from huggingface_hub.errors import HfHubHTTPError
@@ -208,10 +209,12 @@ def check_hub_reachable(name: str, kw: dict) -> None:
     if constants.HF_HUB_OFFLINE or kw.get("local_files_only"):
         return
     try:
-        cached = try_to_load_from_cache(name, "config.json", cache_dir=kw.get("cache_dir"), revision=kw.get("revision"))
+        cached = try_to_load_from_cache(name, filename, cache_dir=kw.get("cache_dir"), revision=kw.get("revision"),
+                                        repo_type=repo_type)
         if isinstance(cached, str):
             return  # on a failed connection huggingface_hub falls back to the cache without retrying
-        get_hf_file_metadata(hf_hub_url(name, "config.json", revision=kw.get("revision")), token=kw.get("token"))
+        get_hf_file_metadata(hf_hub_url(name, filename, repo_type=repo_type, revision=kw.get("revision")),
+                             token=kw.get("token"))
     except (HfHubHTTPError, ValueError, TypeError):
         return
     except Exception as error:  # no answer at all: name resolution, refused connection, timeout, proxy, TLS
@@ -220,8 +223,9 @@ def check_hub_reachable(name: str, kw: dict) -> None:
 
 
 def _load_dllm(local: Path | None, name, device, dtype, kw: dict):
-    """The project's TransformerLM with the folder's tokenizer.json attached as ``.tokenizer``."""
+    """The project's TransformerLM with the folder's tokenizer.json (and chat template) attached as ``.tokenizer``."""
     from dllm.data.tokenizer import load_tokenizer
+    from dllm.models.chat import folder_chat_template
     from dllm.models.transformer import TransformerLM
 
     tokenizer = kw.pop("tokenizer", None)
@@ -235,6 +239,8 @@ def _load_dllm(local: Path | None, name, device, dtype, kw: dict):
     if tokenizer is None or isinstance(tokenizer, str | os.PathLike):
         file = Path(tokenizer) if tokenizer is not None else local / "tokenizer.json"
         tokenizer = load_tokenizer(file) if file.is_file() else None
+        if tokenizer is not None:  # the chat template its folder declares, as transformers reads a hub folder's
+            tokenizer.chat_template = folder_chat_template(file.parent)
     model.tokenizer = tokenizer
     return model
 

@@ -17,10 +17,12 @@ modelling code (``shared/remote_code``, checked by parity tests):
     prompt is block-causal too (``Capabilities.block_anchor`` "absolute"; the official
     ``block_diffusion_generate`` builds that mask); logits are not shifted (position i scores token i). The hub's
     config.json names neither the block size nor the mask token (servers hard-code them): ``block_size`` comes
-    from ``dllm.load(..., block_size=)``, else config.json's ``block_size``, else 4 (the public chat models; other
-    block sizes are separate checkpoints); the mask id from ``mask_token_id=``, config.json, the tokenizer's
-    mask token (``<|MASK|>``; ``<MASK>`` in the training repository's added_tokens.json), else 151669
-    (SDAR-4B-Chat's).
+    from ``dllm.load(..., block_size=)``, else config.json's ``block_size``, else 4 (the public chat models' block
+    in training); it is the default of a run's blocks, which are the decoder's choice as in
+    ``block_diffusion_generate`` (``Capabilities.run_blocks``: a sampler's ``block_length`` sets the attention
+    blocks, said in one UserWarning when it differs from ``block_size``); the mask id from ``mask_token_id=``,
+    config.json, the tokenizer's mask token (``<|MASK|>``; ``<MASK>`` in the training repository's
+    added_tokens.json), else 151669 (SDAR-4B-Chat's).
   - LLaDA2.0 / LLaDA2.1 (``modeling_llada2_moe.py``, inclusionAI's; ``model_type`` llada2_moe, class
     ``LLaDA2MoeModelLM``; 2.1 is the same network with another ``generate``): block-causal like SDAR, blocks anchored
     at absolute position 0, unshifted logits; one fused ``query_key_value`` ([q heads | k heads | v heads] rows, our
@@ -32,8 +34,10 @@ modelling code (``shared/remote_code``, checked by parity tests):
     always renormalises when more than one expert is chosen: ``norm_topk_prob`` is not read by it, nor here) times
     ``routed_scaling_factor``, plus ``num_shared_experts`` shared experts. Block size: ``block_size=``, else
     config.json's ``block_size``, else 32 (the official ``generate``'s ``block_length`` default; the hub config does
-    not say); mask id: ``mask_token_id=``, config.json, the tokenizer's ``<|mask|>``, else 156895; EOS: the
-    tokenizer's, config.json's, generation_config.json's, else 156892 (the official ``generate``'s defaults).
+    not say); as for SDAR it is the default of a run's blocks (``generate`` builds its mask from its own
+    ``block_length``, and so does a run here: ``Capabilities.run_blocks``); mask id: ``mask_token_id=``,
+    config.json, the tokenizer's ``<|mask|>``, else 156895; EOS: the tokenizer's, config.json's,
+    generation_config.json's, else 156892 (the official ``generate``'s defaults).
 All compute RoPE and RMSNorm in float32 whatever the weights' dtype (the real Dream, SDAR and LLaDA2 code rotates in
 the model dtype; in float32 the two are the same).
 """
@@ -64,7 +68,7 @@ FAMILIES = ("llada", "dream", "sdar", "llada2")
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]
 _OPTIONS = ("device_map", "tokenizer", "mask_token_id", "block_size", "revision", "token", "cache_dir",
             "local_files_only")
-SDAR_BLOCK_SIZE = 4  # the public SDAR / TraDo chat models' block; their config.json does not say it
+SDAR_BLOCK_SIZE = 4  # the public SDAR / TraDo chat models' training block; their config.json does not say it
 SDAR_MASK_TOKEN_ID = 151669  # SDAR-4B-Chat's mask token, hard-coded by its servers when nothing names it
 LLADA2_BLOCK_SIZE = 32  # LLaDA2's generate() block_length default; the hub config.json does not say
 LLADA2_MASK_TOKEN_ID = 156895  # <|mask|>: LLaDA2's generate() mask_id default
@@ -94,8 +98,12 @@ class NativeLM(TransformerLM):
 
     @property
     def capabilities(self) -> Capabilities:
-        """TransformerLM's record plus where this family's blocks start (SDAR: "absolute", at position 0)."""
-        return dataclasses.replace(super().capabilities, block_anchor=_FAMILIES[self.family].block_anchor)
+        """TransformerLM's record plus where this family's blocks start (SDAR: "absolute", at position 0) and
+        whether a run chooses them (SDAR, LLaDA2: their official decoders build the block mask from their own
+        block_length)."""
+        family = _FAMILIES[self.family]
+        return dataclasses.replace(super().capabilities, block_anchor=family.block_anchor,
+                                   run_blocks=family.run_blocks)
 
     @torch.inference_mode()
     def forward(self, *args, **kwargs):
@@ -379,6 +387,7 @@ class _Family:
     default_eos_token_id: int | None = None  # when neither tokenizer, config.json nor generation_config.json does
     block_causal: bool = False  # config takes block_size= (dllm.load's block_size option)
     block_anchor: str = "answer"  # Capabilities.block_anchor: where the family's blocks start
+    run_blocks: bool = False  # Capabilities.run_blocks: the official decoder's block_length sets the attention blocks
 
 
 _ROTARY = r"(^|\.)rotary_emb\.inv_freq$"
@@ -392,11 +401,11 @@ _FAMILIES = {
     # SDAR's tokenizer is Qwen3's (the same byte-level BPE, class Qwen2Tokenizer).
     "sdar": _Family(sdar_config, "model.layers.", SDAR_LAYER, SDAR_TOP, _ROTARY, ("<|MASK|>", "<MASK>"),
                     "Qwen2Tokenizer", default_mask_token_id=SDAR_MASK_TOKEN_ID, block_causal=True,
-                    block_anchor="absolute"),
+                    block_anchor="absolute", run_blocks=True),
     # LLaDA2's tokenizer (Ling's) ships a tokenizer.json
     "llada2": _Family(llada2_config, "model.layers.", LLADA2_LAYER, LLADA2_TOP, _ROTARY, ("<|mask|>",),
                       default_mask_token_id=LLADA2_MASK_TOKEN_ID, default_eos_token_id=LLADA2_EOS_TOKEN_ID,
-                      block_causal=True, block_anchor="absolute"),
+                      block_causal=True, block_anchor="absolute", run_blocks=True),
 }
 
 

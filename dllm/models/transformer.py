@@ -12,7 +12,8 @@ channels of each head rotate, LLaDA2's ``partial_rotary_factor``) and a mixture-
 
 Mask convention everywhere: boolean, True = may attend (as in ``F.scaled_dot_product_attention``).
 Layout masks are built from position ids, so left padding moves block boundaries with the real tokens,
-and ``block_offset`` aligns blocks to e.g. the start of a generated answer.
+and ``block_offset`` aligns blocks to e.g. the start of a generated answer; ``block_size=`` on a call replaces the
+config's block size for that call (a run's blocks, where they are the run's choice: ``Capabilities.run_blocks``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -227,6 +228,13 @@ def _from_fields(cls, values: dict[str, Any]):
     if unknown:
         raise ValueError(f"unknown {cls.__name__} keys {unknown}; allowed keys: {fields}")
     return cls(**values)
+
+
+class _Blocks(NamedTuple):
+    """A call's block-causal layout: blocks of ``size`` positions starting at ``offset + k * size``."""
+
+    size: int | None
+    offset: int | Tensor  # int or [B]
 
 
 def layout_mask(
@@ -760,6 +768,7 @@ class TransformerLM(nn.Module):
         append: bool = True,
         attention_mask: Tensor | None = None,  # [N, cache.length + n] 0/1 over cached + new keys
         block_offset: int | Tensor = 0,
+        block_size: int | None = None,  # the call's attention blocks (as ``forward``)
         position_ids: Tensor | None = None,  # [N, n]; default: continue after the cache
         commit: int = 0,
         return_hidden: bool = False,
@@ -780,13 +789,14 @@ class TransformerLM(nn.Module):
         """
         return _run_stages(self._cached_stages(input_ids, cache, rows=rows, append=append,
                                                attention_mask=attention_mask, block_offset=block_offset,
-                                               position_ids=position_ids, commit=commit, return_hidden=return_hidden,
+                                               block_size=block_size, position_ids=position_ids, commit=commit,
+                                               return_hidden=return_hidden,
                                                tree_mask=tree_mask, logits_at=logits_at, segments=segments),
                            self.layer_states)
 
     def _cached_stages(self, input_ids, cache, *, rows=None, append=True, attention_mask=None, block_offset=0,
-                       position_ids=None, commit=0, return_hidden=False, tree_mask=None, logits_at=None,
-                       segments=None):
+                       block_size=None, position_ids=None, commit=0, return_hidden=False, tree_mask=None,
+                       logits_at=None, segments=None):
         """``forward_cached`` as stages (``_stages``)."""
         main = cache
         if rows is not None:
@@ -796,8 +806,8 @@ class TransformerLM(nn.Module):
         new_mask = None if attention_mask is None else attention_mask[:, attention_mask.shape[1] - input_ids.shape[1]:]
         out = yield from self._stages(input_ids, attention_mask=new_mask, position_ids=position_ids, cache=cache,
                                       use_cache=append or commit > 0, block_offset=block_offset,
-                                      return_hidden=return_hidden, tree_mask=tree_mask, logits_at=logits_at,
-                                      segments=segments)
+                                      block_size=block_size, return_hidden=return_hidden, tree_mask=tree_mask,
+                                      logits_at=logits_at, segments=segments)
         if commit and rows is not None:
             _commit_rows(main, cache, rows, commit)
         return out
@@ -810,6 +820,7 @@ class TransformerLM(nn.Module):
         cache: KVCache | None = None,
         use_cache: bool = False,
         block_offset: int | Tensor = 0,  # int or [B]; block_causal only
+        block_size: int | None = None,  # block_causal only; None: config.block_size
         return_hidden: bool = False,
         tree_mask: Tensor | None = None,  # [B, L, L] bool
         logits_at: Tensor | None = None,  # [B, K] long
@@ -821,6 +832,9 @@ class TransformerLM(nn.Module):
         the layout mask, and default positions start at 0 on each row's first real token), or an explicit
         bool mask over keys = cached + new (True = attend) that replaces the layout mask.
         position_ids: default continues from the cache (0 without one), skipping padding.
+        block_offset, block_size (block_causal): blocks of ``block_size`` positions (None: ``config.block_size``)
+        start at ``block_offset + k * block_size`` in position ids; a run's block size is passed by the sessions
+        where the model's blocks are a run's choice (``Capabilities.run_blocks``), the cache's keys included.
         use_cache: append this call's keys/values to ``cache`` (in place); otherwise the cache is only read.
         With ``shift_logits`` the logits at position p come from the state at p - 1 (cached or new; the
         state itself where p has no predecessor), as Dream's generation code shifts them.
@@ -838,7 +852,7 @@ class TransformerLM(nn.Module):
         (fef's verification copies, which would otherwise each read the cache and repeat the prefix).
         """
         return _run_stages(self._stages(input_ids, attention_mask, position_ids, cache, use_cache, block_offset,
-                                        return_hidden, tree_mask, logits_at, segments), self.layer_states)
+                                        block_size, return_hidden, tree_mask, logits_at, segments), self.layer_states)
 
     def forward_many(self, calls: list[tuple[str, tuple, dict]]) -> list:
         """Several independent calls in one pass -> their answers, in order. A call is ``("forward", args,
@@ -850,13 +864,14 @@ class TransformerLM(nn.Module):
         return _finish_stages(stages, self.layer_states_many([next(stage) for stage in stages]))
 
     def _stages(self, input_ids, attention_mask=None, position_ids=None, cache=None, use_cache=False, block_offset=0,
-                return_hidden=False, tree_mask=None, logits_at=None, segments=None):
+                block_size=None, return_hidden=False, tree_mask=None, logits_at=None, segments=None):
         """``forward`` as a generator: it yields the layers' arguments (input_ids, position_ids, mask, cache, keep,
         bound), is sent their ``layer_states`` answer, and returns the forward's answer; so ``forward_many`` can
         run the layers of several calls together."""
         if use_cache and cache is None:
             raise ValueError("use_cache=True needs a cache to append to: pass cache=model.new_cache()")
         query_valid, explicit = _query_mask(attention_mask, input_ids)
+        blocks = self._blocks(block_offset, block_size)
         bound = None  # a host bound of the positions: derived ones never pass cached keys + inputs
         if segments is not None:
             if explicit is not None or tree_mask is not None or position_ids is not None:
@@ -865,7 +880,7 @@ class TransformerLM(nn.Module):
                 raise ValueError("segments cannot pack a model with shifted logits (a state would read another "
                                  "segment's)")
             query_valid = query_valid & (segments >= 0)
-            position_ids, tree_mask = self._packed_layout(segments, query_valid, cache, block_offset)
+            position_ids, tree_mask = self._packed_layout(segments, query_valid, cache, blocks)
             bound = (cache.length if cache is not None else 0) + input_ids.shape[1]
         if position_ids is None:
             start = cache.next_position()[:, None] if cache is not None and cache.length else 0
@@ -878,7 +893,7 @@ class TransformerLM(nn.Module):
                 shape = [*input_ids.shape, input_ids.shape[1]]
                 raise ValueError(f"tree_mask must be a bool tensor [B, L, L] = {shape}, "
                                  f"got {tree_mask.dtype} {list(tree_mask.shape)}")
-        mask = self._attention_mask(position_ids, query_valid, explicit, cache, block_offset, tree_mask)
+        mask = self._attention_mask(position_ids, query_valid, explicit, cache, blocks, tree_mask)
         h, new_kv = yield input_ids, position_ids, mask, cache, use_cache, bound
         if use_cache:
             cache.append(new_kv, position_ids, query_valid, h if self.config.shift_logits else None)
@@ -889,7 +904,7 @@ class TransformerLM(nn.Module):
         return self.head(h, hidden=return_hidden, full_precision=logits_at is None)
 
     def _packed_layout(self, segments: Tensor, valid: Tensor, cache: KVCache | None,
-                       block_offset: int | Tensor) -> tuple[Tensor, Tensor]:
+                       blocks: _Blocks) -> tuple[Tensor, Tensor]:
         """Positions [B, L] and the mask among inputs [B, L, L] of packed ``segments`` (see ``forward``): a token
         of segment s > 0 sits after segment 0's valid tokens and the valid tokens of s before it."""
         start = cache.next_position()[:, None] if cache is not None and cache.length else 0
@@ -899,13 +914,13 @@ class TransformerLM(nn.Module):
         shared = (segments == 0) & valid
         prefix = shared.sum(dim=1, keepdim=True)
         position_ids = start + before + torch.where(segments > 0, prefix, 0)
-        mask = layout_mask(self.layout, position_ids, position_ids, self.config.block_size, block_offset)
+        mask = self._layout(position_ids, position_ids, blocks)
         return position_ids, mask & (same | shared[:, None, :])
 
-    def _hidden(self, input_ids, position_ids, query_valid, explicit, cache, use_cache, block_offset,
+    def _hidden(self, input_ids, position_ids, query_valid, explicit, cache, use_cache, blocks: _Blocks,
                 tree_mask=None, bound: int | None = None) -> Tensor:
         """Last-layer states of the inputs (before the final norm), appended to ``cache`` if asked.  # [B, L, dim]"""
-        mask = self._attention_mask(position_ids, query_valid, explicit, cache, block_offset, tree_mask)
+        mask = self._attention_mask(position_ids, query_valid, explicit, cache, blocks, tree_mask)
         h, new_kv = self.layer_states(input_ids, position_ids, mask, cache, keep=use_cache, bound=bound)
         if use_cache:
             cache.append(new_kv, position_ids, query_valid, h if self.config.shift_logits else None)
@@ -923,6 +938,7 @@ class TransformerLM(nn.Module):
         rows: Tensor | None = None,  # [R] cache rows (with cache)
         attention_mask: Tensor | None = None,  # [R, cache.length + L] 0/1
         block_offset: int | Tensor = 0,
+        block_size: int | None = None,  # the call's attention blocks (as ``forward``)
     ) -> tuple[Tensor, Tensor]:
         """One-pass verification: target logits [R, W + 1, V] (row count[r] is the bonus) and the state's
         logits [R, L, V].
@@ -934,6 +950,7 @@ class TransformerLM(nn.Module):
         models match the copies verifier only if trained for this pass (it then defines its own
         conditional), so samplers label its output approximate.
         """
+        blocks = self._blocks(block_offset, block_size)
         if cache is not None and rows is not None:
             cache = cache.select(rows)
         n, length = input_ids.shape
@@ -953,12 +970,12 @@ class TransformerLM(nn.Module):
             tokens, pos, structure = _shift_queries(tokens, pos, structure, positions, count, bonus, length,
                                                     cache is not None and bool(cache.length))
         keys_valid = torch.cat([valid, torch.ones_like(tokens[:, length:], dtype=torch.bool)], dim=1)
-        mask = structure & layout_mask(self.layout, pos, pos, self.config.block_size, block_offset)
+        mask = structure & self._layout(pos, pos, blocks)
         mask = mask & keys_valid[:, None, :]
         if cache is not None and cache.length:
-            past = layout_mask(self.layout, pos, cache.positions, self.config.block_size, block_offset)
+            past = self._layout(pos, cache.positions, blocks)
             mask = torch.cat([past, mask], dim=2)
-        h = self._hidden(tokens, pos, torch.ones_like(tokens, dtype=torch.bool), mask, cache, False, block_offset)
+        h = self._hidden(tokens, pos, torch.ones_like(tokens, dtype=torch.bool), mask, cache, False, blocks)
         targets = self.head(h[:, length + width :])  # W window queries, then the bonus query
         rows = torch.arange(n, device=targets.device)
         targets[rows, count] = targets[:, -1].clone()  # the bonus goes to row count[r], verify's ragged layout
@@ -976,7 +993,21 @@ class TransformerLM(nn.Module):
         if position_ids.numel() and int(position_ids.max()) >= self.config.max_seq_len:
             raise ValueError(f"position {int(position_ids.max())} >= max_seq_len ({self.config.max_seq_len})")
 
-    def _attention_mask(self, position_ids, query_valid, explicit, cache, block_offset, tree_mask=None) -> Tensor:
+    def _blocks(self, block_offset: int | Tensor, block_size: int | None) -> _Blocks:
+        """A call's block layout: ``block_size`` (a run's choice, ``Capabilities.run_blocks``; None: the config's)
+        from ``block_offset``."""
+        if block_size is None:
+            return _Blocks(self.config.block_size, block_offset)
+        if self.layout != "block_causal":
+            raise ValueError(f"block_size= is for a block_causal model; this one is {self.layout}")
+        _check_positive_int("block_size", block_size)
+        return _Blocks(block_size, block_offset)
+
+    def _layout(self, query_pos: Tensor, key_pos: Tensor, blocks: _Blocks) -> Tensor:
+        """``layout_mask`` of this model's layout in a call's blocks.  # [B, Lq, Lk] bool"""
+        return layout_mask(self.layout, query_pos, key_pos, blocks.size, blocks.offset)
+
+    def _attention_mask(self, position_ids, query_valid, explicit, cache, blocks: _Blocks, tree_mask=None) -> Tensor:
         """Layout (or explicit, or layout to the cache and ``tree_mask`` among the inputs) mask over cached + new
         keys, minus padding keys.  # [B, 1, L, P + L] bool"""
         past_pos, past_valid = position_ids[:, :0], query_valid[:, :0]
@@ -985,10 +1016,10 @@ class TransformerLM(nn.Module):
         key_pos = torch.cat((past_pos, position_ids), dim=1)
         key_valid = torch.cat((past_valid, query_valid), dim=1)
         if tree_mask is not None:
-            past = layout_mask(self.layout, position_ids, past_pos, self.config.block_size, block_offset)
+            past = self._layout(position_ids, past_pos, blocks)
             mask = torch.cat([past, tree_mask], dim=2)
         elif explicit is None:
-            mask = layout_mask(self.layout, position_ids, key_pos, self.config.block_size, block_offset)
+            mask = self._layout(position_ids, key_pos, blocks)
         elif explicit.shape[-2:] != (position_ids.shape[1], key_pos.shape[1]):
             expected = f"[B, {position_ids.shape[1]}, {key_pos.shape[1]}]"
             raise ValueError(f"explicit attention_mask must be {expected} (queries, cached + new keys), "

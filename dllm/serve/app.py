@@ -1,9 +1,10 @@
 """The HTTP side of ``dllm serve``: OpenAI's routes on FastAPI, over the lanes of ``dllm.serve.engine``.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or server-sent events with ``stream``),
-``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text). A request is validated whole
-(``dllm.serve.requests``: 400 naming the field) before any lane starts; a full queue answers 429 with Retry-After;
-a lane that raises answers 500 and the others go on; a client that goes away cancels its lanes.
+``GET /v1/models`` (the served names, each with the server's defaults under ``dllm``), ``GET /health``,
+``GET /metrics`` (Prometheus text). A request is validated whole (``dllm.serve.requests``: 400 naming the field, 404
+for a model not served) before any lane starts; a full queue answers 429 with Retry-After; a lane that raises answers
+500 and the others go on; a client that goes away cancels its lanes. Errors are OpenAI's error object.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from dllm.defaults import SERVE_GRACE_S
+
 from .choice import ChoiceRun, Outcome
 from .engine import Cancelled, Engine, Lane, NotAccepting, QueueFull
 from .metrics import Metrics
@@ -27,7 +30,7 @@ from .requests import BadRequest, Job, ServerSettings, parse
 RETRY_AFTER_S = 1  # what a 429 asks the client to wait
 
 
-def create_app(settings: ServerSettings, engine: Engine, grace: float = 10.0) -> FastAPI:
+def create_app(settings: ServerSettings, engine: Engine, grace: float = SERVE_GRACE_S) -> FastAPI:
     """The server's app over ``engine`` (running in a thread of its own or the caller's); the app's end stops the
     engine (``grace`` seconds for the lanes still running)."""
     metrics = Metrics()
@@ -47,8 +50,11 @@ def create_app(settings: ServerSettings, engine: Engine, grace: float = 10.0) ->
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "created": 0,
-                                            "owned_by": "dllm"}]}
+        defaults = {"sampler": settings.sampler, "options": {k: v for k, v in settings.options.items() if _plain(v)},
+                    "temperature": settings.default_temperature, "max_tokens": settings.default_max_tokens,
+                    "max_n": settings.max_n}  # what a request that sets none of them gets
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "dllm",
+                                            "dllm": defaults} for name in settings.model_names]}
 
     @app.get("/metrics")
     async def prometheus():
@@ -72,7 +78,7 @@ def create_app(settings: ServerSettings, engine: Engine, grace: float = 10.0) ->
         try:
             job = parse(body, endpoint, settings)
         except BadRequest as error:
-            return _error(metrics, endpoint, 400, str(error))
+            return _error(metrics, endpoint, error.status, str(error), param=error.param, code=error.code)
         call = _Request(job, settings, asyncio.get_running_loop())
         try:
             app.state.engine.submit(call.lanes)
@@ -90,9 +96,10 @@ def create_app(settings: ServerSettings, engine: Engine, grace: float = 10.0) ->
 
 
 def _error(metrics: Metrics, endpoint: str, status: int, message: str, headers: dict | None = None,
-           kind: str = "invalid_request_error") -> JSONResponse:
+           kind: str = "invalid_request_error", param: str | None = None, code: str | None = None) -> JSONResponse:
+    """OpenAI's error object (``type``, ``param`` and ``code`` as OpenAI sets them, e.g. 404 ``model_not_found``)."""
     metrics.requests.labels(endpoint, str(status)).inc()
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}},
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
                         status_code=status, headers=headers)
 
 
@@ -100,7 +107,7 @@ class _Request:
     """One request's lanes and what they send back, bridged from their threads to the event loop."""
 
     def __init__(self, job: Job, settings: ServerSettings, loop: asyncio.AbstractEventLoop):
-        self.job, self.settings, self.loop = job, settings, loop
+        self.job, self.loop = job, loop
         self.id = ("cmpl-" if job.endpoint == "completions" else "chatcmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -143,6 +150,8 @@ class _Request:
                 outcomes[index] = result
         finally:
             watcher.cancel()
+            if len(outcomes) < len(self.lanes):  # also when this task is cancelled (the server's grace is over)
+                self.cancel()
         metrics.finished(self.job, outcomes.values(), started, first_token=None)
         return JSONResponse(self._body(outcomes))
 
@@ -165,7 +174,7 @@ class _Request:
                 choice = {"index": index, "message": {"role": "assistant", "content": outcome.text}}
             choices.append({**choice, "finish_reason": outcome.finish_reason})
         return {"id": self.id, "object": "text_completion" if job.endpoint == "completions" else "chat.completion",
-                "created": self.created, "model": self.settings.model_name, "choices": choices,
+                "created": self.created, "model": self.job.model_name, "choices": choices,
                 "usage": self._usage(outcomes.values()), "dllm": self._extension(outcomes)}
 
     def _usage(self, outcomes) -> dict:
@@ -201,7 +210,7 @@ class _Request:
                     yield self._chunk(index, payload)
                 elif kind == "canvas":
                     yield _sse({"id": self.id, "object": "dllm.canvas", "created": self.created,
-                                "model": self.settings.model_name, "choices": [{"index": index, "canvas": payload}]})
+                                "model": self.job.model_name, "choices": [{"index": index, "canvas": payload}]})
                 else:
                     result, error = payload
                     if error is not None:
@@ -215,7 +224,7 @@ class _Request:
                     outcomes[index] = result
                     yield self._chunk(index, None, result.finish_reason)
             final = {"id": self.id, "object": self._object(), "created": self.created,
-                     "model": self.settings.model_name, "choices": [], "dllm": self._extension(outcomes)}
+                     "model": self.job.model_name, "choices": [], "dllm": self._extension(outcomes)}
             if job.include_usage:
                 final["usage"] = self._usage(outcomes.values())
             yield _sse(final)
@@ -236,7 +245,7 @@ class _Request:
             delta = text if isinstance(text, dict) else ({} if text is None else {"content": text})
             choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         return _sse({"id": self.id, "object": self._object(), "created": self.created,
-                     "model": self.settings.model_name, "choices": [choice]})
+                     "model": self.job.model_name, "choices": [choice]})
 
 
 def _sse(payload: dict) -> str:

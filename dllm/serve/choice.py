@@ -68,7 +68,7 @@ class ChoiceRun:
         except StopString:
             text, tokens = self._cut
             self._send(text)
-            return Outcome(text, "stop", len(tokens), {}, True, self.seed, tokens)
+            return Outcome(text, "stop", len(tokens), {}, job.exact, self.seed, tokens)  # (no stats: cut short)
         answer = out.sequences[0, len(self.prompt):].tolist()
         tokens, stopped = self._until_stop(answer)
         text = self._decode(tokens)

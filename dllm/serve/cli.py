@@ -1,18 +1,29 @@
 """``dllm serve``: the OpenAI-compatible server (``dllm.serve.app``) under uvicorn.
 
-SIGTERM (or Ctrl-C) stops taking requests, lets those in flight finish for ``--grace`` seconds, cancels the rest
-and exits 0.
+SIGTERM or SIGINT (Ctrl-C) stops taking requests, lets those in flight finish for ``--grace`` seconds, cancels the
+rest and exits 0; with ``--replicas`` the same holds for the replicas, and no process of Ray's is left.
+Every default of a flag is in ``dllm.defaults``.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import signal
 import sys
 import threading
 from pathlib import Path
 
-from dllm.defaults import DTYPE, DTYPES
+from dllm.defaults import (
+    DTYPE,
+    DTYPES,
+    MAX_NEW_TOKENS,
+    SERVE_GRACE_S,
+    SERVE_MAX_BATCH_SIZE,
+    SERVE_MAX_N,
+    SERVE_MAX_QUEUE,
+    SERVE_TEMPERATURE,
+)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -21,7 +32,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="diffusion", help="a shipped model's name, a folder or a hub id (default: "
                    "the shipped diffusion model)")
     p.add_argument("--kind", default="auto", help="as dllm generate --kind")
-    p.add_argument("--served-model-name", help="the name /v1/models shows and responses carry (default: --model)")
+    p.add_argument("--served-model-name", nargs="+", metavar="NAME", help="the names a request's model may be, "
+                   "listed by /v1/models; a request naming another gets 404 model_not_found, one naming none the "
+                   "first (default: --model)")
     p.add_argument("--sampler", help="the default sampler (default: fef for a diffusion model, ar for a causal one); "
                    "a request may name another")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
@@ -29,21 +42,25 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1, this machine "
                    "only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-batch-size", type=int, default=16, help="lanes (choices) decoding at once (default 16)")
-    p.add_argument("--max-queue", type=int, default=64, help="lanes waiting beyond those; past it requests get 429 "
-                   "(default 64)")
-    p.add_argument("--max-n", type=int, default=16, help="the largest n a request may ask (default 16)")
-    p.add_argument("--default-max-tokens", type=int, default=64, help="max_tokens of a request that gives none "
-                   "(default 64)")
-    p.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template (default: the tokenizer's; the "
-                   "shipped models: their training format)")
+    p.add_argument("--max-batch-size", type=int, default=SERVE_MAX_BATCH_SIZE,
+                   help=f"lanes (choices) decoding at once (default {SERVE_MAX_BATCH_SIZE})")
+    p.add_argument("--max-queue", type=int, default=SERVE_MAX_QUEUE, help="lanes waiting beyond those; past it "
+                   f"requests get 429 (default {SERVE_MAX_QUEUE})")
+    p.add_argument("--max-n", type=int, default=SERVE_MAX_N, help=f"the largest n a request may ask (default "
+                   f"{SERVE_MAX_N})")
+    p.add_argument("--default-max-tokens", type=int, default=MAX_NEW_TOKENS, help="max_tokens of a request that "
+                   f"gives none (default {MAX_NEW_TOKENS})")
+    p.add_argument("--default-temperature", type=float, default=SERVE_TEMPERATURE, help="temperature of a request "
+                   f"that gives none (default {SERVE_TEMPERATURE:g}, OpenAI's; 0: greedy)")
+    p.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template for /v1/chat/completions (default: "
+                   "the tokenizer's, which a model folder declares; the shipped models': their training format)")
     p.add_argument("--dtype", default=DTYPE, choices=DTYPES)
     p.add_argument("--device", default=None)
-    p.add_argument("--grace", type=float, default=10.0, help="seconds requests in flight get to finish at SIGTERM "
-                   "(default 10)")
+    p.add_argument("--grace", type=float, default=SERVE_GRACE_S, help="seconds requests in flight get to finish "
+                   f"at SIGTERM or SIGINT (default {SERVE_GRACE_S:g})")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--replicas", type=int, help="run N replicas of this server behind Ray Serve's proxy on --host:"
-                   "--port (pip install 'ray[serve]'; dllm.serve.replicas)")
+                   "--port (the [replicas] extra; dllm.serve.replicas)")
     p.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves for each replica (default 1)")
     p.add_argument("--ray-address", help="join this Ray cluster (e.g. auto) instead of starting a local instance")
     return p
@@ -55,9 +72,7 @@ _REPLICA_FLAGS = ("--replicas", "--replica-cpus", "--ray-address", "--host", "--
 def build(args: argparse.Namespace, engine_thread: bool = True):
     """The app for parsed arguments (loads the model); what ``main`` serves and tests start in-process. With
     ``engine_thread`` False the caller runs ``app.state.engine.run()`` (``main`` does, in the loading thread)."""
-    from dllm.cli import UserError, _load, check_device
-    from dllm.models.chat import TRAINING_FORMAT_TEMPLATE
-    from dllm.models.loading import is_shipped
+    from dllm.cli import UserError, _load
     from dllm.protocols import is_causal_model
     from dllm.samplers import SAMPLERS, parse_options
 
@@ -65,22 +80,7 @@ def build(args: argparse.Namespace, engine_thread: bool = True):
     from .engine import Engine
     from .requests import BadRequest, ServerSettings, _sampler
 
-    for flag, value, low in (("--port", args.port, 0), ("--max-batch-size", args.max_batch_size, 1),
-                             ("--max-queue", args.max_queue, 0), ("--max-n", args.max_n, 1),
-                             ("--default-max-tokens", args.default_max_tokens, 1)):
-        if value < low or (flag == "--port" and value > 65535):
-            raise UserError(f"{flag} must be {'in [0, 65535]' if flag == '--port' else f'>= {low}'}, got {value}")
-    if args.grace < 0:
-        raise UserError(f"--grace must be >= 0 seconds, got {args.grace}")
-    if args.sampler is not None and args.sampler not in SAMPLERS:
-        raise UserError(f"--sampler must be one of {sorted(SAMPLERS)}, got {args.sampler!r}")
-    template = None
-    if args.chat_template is not None:
-        path = Path(args.chat_template)
-        if not path.is_file():
-            raise UserError(f"--chat-template {args.chat_template}: no such file")
-        template = path.read_text()
-    check_device(args.device)
+    names, template = _checked(args)
     model = _load(args.model, "--model", args.kind, args.device, args.dtype)
     if getattr(model, "tokenizer", None) is None:
         raise UserError(f"--model {args.model}: the checkpoint has no tokenizer, and the server takes text")
@@ -91,12 +91,39 @@ def build(args: argparse.Namespace, engine_thread: bool = True):
         raise UserError(f"--{error}") from None
     options = parse_options(sampler, args.option)
     SAMPLERS[sampler].configure(options, model=model, max_new_tokens=args.default_max_tokens)
-    if template is None and not getattr(model.tokenizer, "chat_template", None) and is_shipped(args.model):
-        template = TRAINING_FORMAT_TEMPLATE
-    settings = ServerSettings(model, args.served_model_name or args.model, sampler, options,
-                              args.default_max_tokens, args.max_n, template)
+    settings = ServerSettings(model, names, sampler, options, args.default_max_tokens, args.default_temperature,
+                              args.max_n, template)
     engine = Engine(model, max_batch_size=args.max_batch_size, max_queue=args.max_queue, thread=engine_thread)
     return create_app(settings, engine, grace=args.grace)
+
+
+def _checked(args: argparse.Namespace) -> tuple[tuple[str, ...], str | None]:
+    """The checks of the flags that need no model (made before Ray starts any replica): the served names and the
+    chat template's text."""
+    from dllm.cli import UserError, check_device
+    from dllm.samplers import SAMPLERS
+
+    for flag, value, low in (("--port", args.port, 0), ("--max-batch-size", args.max_batch_size, 1),
+                             ("--max-queue", args.max_queue, 0), ("--max-n", args.max_n, 1),
+                             ("--default-max-tokens", args.default_max_tokens, 1)):
+        if value < low or (flag == "--port" and value > 65535):
+            raise UserError(f"{flag} must be {'in [0, 65535]' if flag == '--port' else f'>= {low}'}, got {value}")
+    for flag, value in (("--grace", args.grace), ("--default-temperature", args.default_temperature)):
+        if not math.isfinite(value) or value < 0:
+            raise UserError(f"{flag} must be a finite number >= 0, got {value}")
+    names = args.served_model_name or [args.model]
+    if not all(names) or len(set(names)) < len(names):
+        raise UserError(f"--served-model-name must be distinct non-empty names, got {names}")
+    if args.sampler is not None and args.sampler not in SAMPLERS:
+        raise UserError(f"--sampler must be one of {sorted(SAMPLERS)}, got {args.sampler!r}")
+    template = None
+    if args.chat_template is not None:
+        path = Path(args.chat_template)
+        if not path.is_file():
+            raise UserError(f"--chat-template {args.chat_template}: no such file")
+        template = path.read_text()
+    check_device(args.device)
+    return tuple(names), template
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,11 +135,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _serve(args: argparse.Namespace, argv: list[str]) -> int:
     from dllm.cli import UserError
+    from dllm.extras import missing
 
     try:
         import uvicorn
     except ImportError:
-        raise UserError('dllm serve needs its extra: pip install -e ".[serve]"') from None
+        raise UserError(missing("uvicorn", "serve", "dllm serve")) from None
     if args.replicas is not None:
         return _replicas(args, argv)
     # The engine runs in this thread, which loaded the model, and uvicorn in another: every torch operation then
@@ -120,10 +148,12 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
     # stops gracefully (its own handlers would re-raise the signal after, and the process would die of it).
     app = build(args, engine_thread=False)
     settings, engine = app.state.settings, app.state.engine
-    print(f"dllm serve: {settings.model_name} ({type(settings.model).__name__}), sampler {settings.sampler}, on "
-          f"http://{args.host}:{args.port} (max batch {args.max_batch_size}, queue {args.max_queue})", flush=True)
+    print(f"dllm serve: {', '.join(settings.model_names)} ({type(settings.model).__name__}), sampler "
+          f"{settings.sampler}, temperature {settings.default_temperature:g} and max_tokens "
+          f"{settings.default_max_tokens} where a request sets none, on http://{args.host}:{args.port} (max batch "
+          f"{args.max_batch_size}, queue {args.max_queue})", flush=True)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                           timeout_graceful_shutdown=args.grace or None))
+                                           timeout_graceful_shutdown=args.grace))
     stopped_by = []
 
     def stop(signum, frame) -> None:
@@ -147,10 +177,6 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
     return 0 if server.started else 1
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def _replicas(args: argparse.Namespace, argv: list[str]) -> int:
     """``--replicas N``: the other flags go to every replica (dllm.serve.replicas)."""
     from dllm.cli import UserError
@@ -161,11 +187,14 @@ def _replicas(args: argparse.Namespace, argv: list[str]) -> int:
     import importlib.util
 
     if importlib.util.find_spec("ray") is None:  # (not imported: Ray reads its settings when imported, which
-        raise UserError("--replicas runs on Ray Serve: pip install 'ray[serve]'")  # dllm.serve.replicas sets first)
+        from dllm.extras import missing  # dllm.serve.replicas sets first)
+
+        raise UserError(missing("ray[serve]", "replicas", "--replicas (Ray Serve)"))
+    _checked(args)  # a bad flag fails here in one line, not in every replica after Ray has started
     from .replicas import serve_forever
 
     return serve_forever(_without(argv, _REPLICA_FLAGS), args.replicas, args.host, args.port, args.replica_cpus,
-                         args.ray_address)
+                         args.ray_address, args.grace)
 
 
 def _without(argv: list[str], flags: tuple[str, ...]) -> list[str]:
@@ -179,3 +208,7 @@ def _without(argv: list[str], flags: tuple[str, ...]) -> list[str]:
         elif not item.startswith(tuple(flag + "=" for flag in flags)):
             kept.append(item)
     return kept
+
+
+if __name__ == "__main__":
+    sys.exit(main())

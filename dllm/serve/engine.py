@@ -20,7 +20,7 @@ lanes run them unchanged, so every sampler is served (exact or not, diffusion or
 what the server samples is by construction what ``generate`` samples. Why greenlets and not threads: every torch
 operation then runs in one thread. Lane threads cost twice over on a CPU: the interpreter lock serialises their
 Python anyway, and a second thread holding an OpenMP team made every forward 2x slower here (libgomp throttles
-its spinning once more threads than cores exist: 16 prompts of fef took 2.10 s instead of 1.02 s, ``/tmp/omp.py``).
+its spinning once more threads than cores exist: 16 prompts of fef took 2.10 s instead of 1.02 s on a 2-core CPU).
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ from typing import Any
 
 import greenlet
 import torch
+
+from dllm.defaults import SERVE_GRACE_S, SERVE_MAX_BATCH_SIZE, SERVE_MAX_QUEUE
 
 
 class Cancelled(Exception):
@@ -111,7 +113,8 @@ class Engine:
     """Lanes over one model; ``max_batch_size`` lanes run at once, ``max_queue`` more wait (``QueueFull`` past it).
     ``submit`` and ``stop`` are called from any thread; everything else happens in the engine's thread."""
 
-    def __init__(self, model, max_batch_size: int = 16, max_queue: int = 64, thread: bool = True):
+    def __init__(self, model, max_batch_size: int = SERVE_MAX_BATCH_SIZE, max_queue: int = SERVE_MAX_QUEUE,
+                 thread: bool = True):
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
         if not isinstance(max_queue, int) or max_queue < 0:
@@ -250,7 +253,7 @@ class Engine:
 
     # ------------------------------------------------------------------------------------------- stopping
 
-    def stop(self, grace: float = 10.0) -> None:
+    def stop(self, grace: float = SERVE_GRACE_S) -> None:
         """Take no new lanes; let the admitted ones finish for up to ``grace`` seconds, then cancel what is left
         (queued lanes are cancelled at once) and end the engine thread."""
         with self._cond:

@@ -1,6 +1,8 @@
 """OpenAI request bodies -> validated decoding jobs, before anything reaches the engine.
 
-Every check raises ``BadRequest`` with one line naming the field and what is allowed (the server answers 400).
+Every check raises ``BadRequest`` with one line naming the field and what is allowed (the server answers 400; a
+``model`` the server does not serve: 404, ``UnknownModel``, as OpenAI answers it). An absent ``model`` is the first
+served name (OpenAI requires the field; vLLM is as lenient).
 The body is read as a plain JSON object rather than a pydantic model: dllm's sampler options sit beside OpenAI's
 fields (``{"prompt": ..., "sampler": "fef", "window": 8}``), so the allowed names depend on the sampler, and the
 messages follow the rest of dllm's (one line, the field, what is allowed).
@@ -13,6 +15,8 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
+from dllm.defaults import MAX_NEW_TOKENS, SERVE_MAX_N, SERVE_TEMPERATURE
+from dllm.models.chat import missing_chat_template
 from dllm.numerics import SEED_LIMIT
 from dllm.protocols import context_length, is_causal_model, max_prompt_length
 from dllm.samplers import SAMPLERS
@@ -24,26 +28,41 @@ UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": 
                "suffix": (None, ""), "frequency_penalty": (None, 0), "presence_penalty": (None, 0),
                "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"),
                "response_format": (None, {"type": "text"}), "repetition_penalty": (None, 1)}
-IGNORED = ("model", "user", "metadata", "store", "service_tier", "parallel_tool_calls")  # read, not acted on
-# Options a request may not set: they name files or objects the server loads at start (``--option``).
+IGNORED = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")  # read, not acted on
+# Options a request may not set (``--option`` sets them at start): files or objects the server loads, and fef's
+# call_tokens, the bound on one forward's activations that the operator sizes to the device's memory.
 SERVER_ONLY = ("drafter", "draft_head", "callback", "call_tokens")
 
 
 class BadRequest(ValueError):
-    """A request the server refuses with 400; the message names the field."""
+    """A request the server refuses with ``status`` (400); the message names the field."""
+
+    status, code, param = 400, None, None
+
+
+class UnknownModel(BadRequest):
+    """A ``model`` this server does not serve: 404 with OpenAI's error code."""
+
+    status, code, param = 404, "model_not_found", "model"
 
 
 @dataclass
 class ServerSettings:
-    """What the server was started with: the model and its defaults."""
+    """What the server was started with: the model, the names it answers to and its defaults."""
 
     model: Any
-    model_name: str
+    model_names: tuple[str, ...]  # --served-model-name: what /v1/models lists and a request's model may be
     sampler: str
     options: dict = field(default_factory=dict)  # --option defaults (typed), for the server's sampler
-    default_max_tokens: int = 64
-    max_n: int = 16
+    default_max_tokens: int = MAX_NEW_TOKENS
+    default_temperature: float = SERVE_TEMPERATURE
+    max_n: int = SERVE_MAX_N
     chat_template: str | None = None  # a Jinja template; None: the tokenizer's own
+
+    @property
+    def model_name(self) -> str:
+        """The first served name: what a request without ``model`` gets, and /health shows."""
+        return self.model_names[0]
 
 
 @dataclass
@@ -51,6 +70,7 @@ class Job:
     """One request, validated: what every lane of it decodes."""
 
     endpoint: str  # "completions" or "chat.completions"
+    model_name: str  # the served name asked for (the first one when the request names none): responses carry it
     prompts: list[list[int]]  # token ids of each prompt (chat: one)
     max_tokens: int
     temperature: float
@@ -64,6 +84,7 @@ class Job:
     include_usage: bool
     stream_canvas: bool
     seed_given: bool
+    exact: bool  # the sampler's config with these options samples the exact law (what generate reports)
 
     def choices(self) -> list[tuple[int, list[int], int]]:
         """(choice index, prompt ids, seed) of every lane: prompt i's choice j is index i * n + j, seeded seed + j
@@ -76,11 +97,12 @@ def parse(body: Any, endpoint: str, settings: ServerSettings) -> Job:
     """A request body -> its Job; ``BadRequest`` on the first problem found."""
     if not isinstance(body, dict):
         raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
+    model_name = _model_name(body.get("model"), settings)
     model, tokenizer = settings.model, settings.model.tokenizer
     sampler = _sampler(body.get("sampler", settings.sampler), model)
     prompts = _chat(body, tokenizer, settings) if endpoint == "chat.completions" else _prompts(body, tokenizer, model)
-    known = {"prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "stop",
-             "stop_token_ids", "seed", "n", "stream", "stream_options", "sampler", "stream_canvas", *IGNORED,
+    known = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
+             "stop", "stop_token_ids", "seed", "n", "stream", "stream_options", "sampler", "stream_canvas", *IGNORED,
              *UNSUPPORTED}
     for name, neutral in UNSUPPORTED.items():
         if name in body and body[name] not in neutral:
@@ -108,12 +130,12 @@ def parse(body: Any, endpoint: str, settings: ServerSettings) -> Job:
     for ids in prompts:
         _check_length(ids, max_tokens, name, model)
     try:
-        spec.configure(options, model=model, max_new_tokens=max_tokens)
+        exact = spec.configure(options, model=model, max_new_tokens=max_tokens).exact
     except (ValueError, TypeError) as error:
         raise BadRequest(str(error)) from None
 
     temperature = body.get("temperature")
-    temperature = 1.0 if temperature is None else _number("temperature", temperature, 0.0)
+    temperature = settings.default_temperature if temperature is None else _number("temperature", temperature, 0.0)
     n = 1 if body.get("n") is None else _int("n", body["n"], 1, settings.max_n)
     seed = body.get("seed")
     seed_given = seed is not None
@@ -124,13 +146,24 @@ def parse(body: Any, endpoint: str, settings: ServerSettings) -> Job:
         raise BadRequest("stream_options must be an object with at most include_usage (true or false)")
     if stream_options and not stream:
         raise BadRequest("stream_options is only allowed with stream: true")
-    return Job(endpoint, prompts, max_tokens, float(temperature), sampler, options, _stop(body.get("stop")),
-               _stop_ids(body.get("stop_token_ids"), model), seed, n, stream,
+    return Job(endpoint, model_name, prompts, max_tokens, float(temperature), sampler, options,
+               _stop(body.get("stop")), _stop_ids(body.get("stop_token_ids"), model), seed, n, stream,
                _bool("stream_options.include_usage", stream_options.get("include_usage", False)),
-               _bool("stream_canvas", body.get("stream_canvas", False)), seed_given)
+               _bool("stream_canvas", body.get("stream_canvas", False)), seed_given, exact)
 
 
 # ------------------------------------------------------------------------------------------------ fields
+
+
+def _model_name(name, settings: ServerSettings) -> str:
+    if name is None:
+        return settings.model_name
+    if not isinstance(name, str):
+        raise BadRequest(f"model must be a string, got {_shown(name)}")
+    if name not in settings.model_names:
+        raise UnknownModel(f"the model {name!r} does not exist on this server; it serves "
+                           f"{', '.join(map(repr, settings.model_names))} (GET /v1/models)")
+    return name
 
 
 def _sampler(name, model) -> str:
@@ -178,8 +211,8 @@ def _chat(body: dict, tokenizer, settings: ServerSettings) -> list[list[int]]:
                              f"{_shown(message.get('content'))}")
     template = settings.chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
-        raise BadRequest(f"model {settings.model_name} has no chat template: use /v1/completions, or start the "
-                         "server with --chat-template FILE")
+        raise BadRequest(missing_chat_template(tokenizer, "start the server with --chat-template FILE, or send "
+                                               "the prompt as text to /v1/completions"))
     text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=True)
     return [tokenizer(text, add_special_tokens=False)["input_ids"]]
 

@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import shutil
 import time
 import tomllib
 from dataclasses import asdict, dataclass, fields, replace
@@ -416,7 +415,9 @@ def train_head(recipe: HeadRecipe, output: Path, log=print) -> dict:
     log(json.dumps({"steps": step, "train_wall_s": round(wall, 1), "heldout": evals}))
     if recipe.kind == "drafter":  # a model folder ar_spec (drafter=) and dllm.load take as it is
         models.drafter.save_pretrained(output / "drafter")
-        shutil.copyfile(Path(recipe.drafter) / "tokenizer.json", output / "drafter" / "tokenizer.json")
+        from dllm.data.tokenizer import export_tokenizer
+
+        export_tokenizer(Path(recipe.drafter), output / "drafter")
     else:
         save_head(models.head, output / "head")
     (output / "metrics.json").write_text(json.dumps(summary, indent=1) + "\n")

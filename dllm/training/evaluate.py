@@ -6,12 +6,12 @@ with ``block_offset`` = the prompt length, so their blocks start at the answer, 
 they declare ``Capabilities.block_anchor == "absolute"`` (SDAR: blocks from position 0), which
 ``generate`` then handles itself.
 
-``generate`` has no EOS stopping, so decoding runs in chunks of ``chunk`` tokens (the block size for
-block-causal models; for an absolute anchor the first chunk runs only to the end of the prompt's last
-model block, so every chunk is whole model blocks) and rows that have emitted EOS leave the batch. For
-causal and block-causal models this is the same computation as one call (neither looks past the current
-block), so greedy outputs are identical; a bidirectional model sees its whole canvas, so it is decoded in
-one call.
+``generate`` has no EOS stopping, so decoding runs in chunks of ``chunk`` tokens (the run's block size for
+block-causal models, ``dllm.protocols.run_block_size``; for an absolute anchor the first chunk runs only to the
+end of the prompt's last model block, so every chunk is whole model blocks) and rows that have emitted EOS leave
+the batch. For causal and block-causal models this is the same computation as one call (neither looks past the
+current block), so greedy outputs are identical; a bidirectional model sees its whole canvas, so it is decoded
+in one call.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 
 from dllm.data.calc import final_answer
 from dllm.data.synthetic import format_example, heldout_set
-from dllm.protocols import capabilities
+from dllm.protocols import capabilities, run_block_size
 
 
 class AnswerAligned:
@@ -83,7 +83,7 @@ def generate_until_eos(model, prompt: torch.Tensor, sampler: str, max_new_tokens
     """
     import dllm  # the front door; imported here so the training modules stay on the ground floor
 
-    layout, block = model.config.layout, model.config.block_size
+    layout, block = model.config.layout, run_block_size(model, kwargs.get("block_length"))  # the run's blocks
     whole = layout == "bidirectional" or capabilities(model).reveal_order_cache  # two-stream: its cache keeps the order
     chunk = max_new_tokens if whole else (block or 8)
     absolute = layout == "block_causal" and capabilities(model).block_anchor == "absolute"

@@ -18,7 +18,6 @@ import json
 import math
 import os
 import random
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -44,7 +43,6 @@ from dllm.training.config import RunConfig
 
 CHECKPOINT = "checkpoint.pt"
 MODEL_DIR = "model"
-TOKENIZER_FILE = "tokenizer.json"
 
 
 def ensure_tokenizer(config: RunConfig):
@@ -311,8 +309,10 @@ def _world() -> int:
 
 
 def _export(model, tokenizer_path: Path, output: Path, summary: dict[str, Any]) -> None:
-    """The finished model as ``<output>/model`` (config.json, model.safetensors, tokenizer.json)."""
+    """The finished model as ``<output>/model`` (config.json, model.safetensors, the tokenizer's files)."""
+    from dllm.data.tokenizer import export_tokenizer
+
     folder = output / MODEL_DIR
     model.save_pretrained(folder)
-    shutil.copyfile(tokenizer_path, folder / TOKENIZER_FILE)
+    export_tokenizer(tokenizer_path, folder)
     (output / "metrics.json").write_text(json.dumps(summary, indent=1) + "\n")

@@ -251,7 +251,9 @@ def _export(model: TwoStreamLM, tokenizer_path: Path, out: Path, log: list) -> N
     model.eval()
     model.save_pretrained(out / "model")
     if tokenizer_path.exists():
-        (out / "model" / "tokenizer.json").write_bytes(tokenizer_path.read_bytes())
+        from dllm.data.tokenizer import export_tokenizer
+
+        export_tokenizer(tokenizer_path, out / "model")
     (out / "log.json").write_text(json.dumps(log, indent=1) + "\n")
     model.train()
 

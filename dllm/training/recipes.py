@@ -12,7 +12,7 @@ import sys
 
 RECIPES: dict[str, str] = {
     # name: module with main(argv) -> int, or "module:function"
-    "prefix-conditioned": "dllm.training.prefix",  # the two-stream layout's any-order objective (issue 15)
+    "prefix-conditioned": "dllm.training.prefix",  # the two-stream layout's any-order objective
     "fef-head": "dllm.training.fef_head",  # fef draft head on a frozen block-diffusion backbone
     "fef-head-chain": "dllm.training.fef_chain",  # the same head on the backbone's own chains (shipped head)
     "two-stream-head": "dllm.training.two_stream_head",  # a fef head on a two-stream model, from fef's rounds

@@ -9,8 +9,12 @@
 q / k norm gains set to the mean RMS of that layer's query / key heads on one training batch, so the normed
 attention starts near the source's scale (gains of 1 start at a held-out loss ~1.6x higher).
 ``export``: a TransformerLM folder (block_causal, q/k norms, tied embeddings) as SDAR's hub layout: config.json
-with ``model_type: "sdar"`` and configuration_sdar.py's keys, ``model.safetensors`` under the names
-``dllm.models.native``'s ``sdar`` table reads, the tokenizer with its config (mask token named).
+with ``model_type: "sdar"`` and every key of SDAR's hub config.json (configuration_sdar.py's, plus those its
+modelling code reads off the config without a default: ``fuse_cross_entropy`` in every forward; ``ep_size``,
+``micro_forward``, ``use_deepep``, ``skip_checkpoint``, ``debug`` of its training code; ``auto_map`` naming its
+files, which are not shipped), so the folder runs in SDAR's own code (``tests/test_shipped_sdar.py``),
+``generation_config.json`` with the token ids, ``model.safetensors`` under the names ``dllm.models.native``'s
+``sdar`` table reads, the tokenizer with its config (mask token named).
 ``eval``: held-out accuracy of a folder loaded with ``dllm.load`` (``dllm.training.evaluate.heldout_accuracy``).
 """
 
@@ -25,11 +29,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from dllm.data.tokenizer import export_tokenizer
 from dllm.models.transformer import TransformerLM
 
-TOKENIZER_CONFIG = {"tokenizer_class": "PreTrainedTokenizerFast", "pad_token": "<|pad|>", "eos_token": "<|eos|>",
-                    "mask_token": "<|mask|>", "bos_token": "<|bos|>", "clean_up_tokenization_spaces": False,
-                    "model_max_length": 256}
+# SDAR's hub auto_map: its code's files, placed beside the weights for trust_remote_code (dllm never runs them)
+AUTO_MAP = {"AutoConfig": "configuration_sdar.SDARConfig", "AutoModel": "modeling_sdar.SDARModel",
+            "AutoModelForCausalLM": "modeling_sdar.SDARForCausalLM"}
 
 
 @torch.no_grad()
@@ -68,15 +73,17 @@ def calibrated_start(config_path: str, output: str, source: str = "dllm/weights/
 
 
 def hub_config(model: TransformerLM) -> dict:
-    """configuration_sdar.py's keys for ``model`` (SDAR-4B's config.json, scaled down), with block_size and the
-    mask id named (the native loader reads both)."""
+    """SDAR-4B-Chat's config.json keys for ``model``, scaled down, with block_size and the mask id named (the native
+    loader reads both, SDAR's training path too). ``fuse_cross_entropy`` is false: SDAR's fused loss needs Triton on
+    a GPU (it matters only when training). No ``attn_implementation``: the training repository's flex_attention
+    cannot take the dense block mask ``block_diffusion_generate`` passes."""
     c = model.config
     if c.layout != "block_causal" or not c.qk_norm or c.qkv_bias or c.shift_logits or c.rotary_dim != c.head_dim \
             or c.moe is not None:
         raise ValueError("an SDAR export needs a block_causal TransformerLM with q/k norms, no q/k/v biases, "
                          "unshifted logits, full rotary and dense MLPs")
     return {
-        "architectures": ["SDARForCausalLM"], "model_type": "sdar",
+        "architectures": ["SDARForCausalLM"], "model_type": "sdar", "auto_map": AUTO_MAP,
         "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 3, "eos_token_id": c.eos_token_id,
         "pad_token_id": c.pad_token_id, "block_size": c.block_size, "mask_token_id": c.mask_token_id,
         "head_dim": c.head_dim, "hidden_act": "silu", "hidden_size": c.dim, "initializer_range": 0.02,
@@ -85,7 +92,15 @@ def hub_config(model: TransformerLM) -> dict:
         "rms_norm_eps": c.norm_eps, "rope_scaling": None, "rope_theta": c.rope_theta, "sliding_window": None,
         "tie_word_embeddings": c.tie_embeddings, "torch_dtype": "float32", "use_cache": False,
         "use_sliding_window": False, "vocab_size": c.vocab_size,
+        "fuse_cross_entropy": False, "ep_size": 1, "micro_forward": False, "use_deepep": False,
+        "skip_checkpoint": False, "debug": False,
     }
+
+
+def generation_config(model: TransformerLM) -> dict:
+    """generation_config.json's token ids (no sampling settings: the samplers' defaults are dllm's)."""
+    c = model.config
+    return {"bos_token_id": 3, "eos_token_id": c.eos_token_id, "pad_token_id": c.pad_token_id}
 
 
 def hub_state(model: TransformerLM) -> dict[str, torch.Tensor]:
@@ -119,9 +134,9 @@ def export_sdar(folder: str | Path, output: str | Path, tokenizer: str | Path | 
     model = TransformerLM.from_pretrained(folder, dtype=torch.float32)
     output.mkdir(parents=True, exist_ok=True)
     (output / "config.json").write_text(json.dumps(hub_config(model), indent=2) + "\n")
+    (output / "generation_config.json").write_text(json.dumps(generation_config(model), indent=2) + "\n")
     save_file(hub_state(model), str(output / "model.safetensors"), metadata={"format": "pt"})
-    shutil.copyfile(Path(tokenizer) if tokenizer else folder / "tokenizer.json", output / "tokenizer.json")
-    (output / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG, indent=2) + "\n")
+    export_tokenizer(Path(tokenizer) if tokenizer else folder, output)
     return output
 
 

@@ -679,6 +679,9 @@ def _study(configs: list[RunConfig], settings: Settings, aliases: dict[str, str]
                            pad=not problems)
     print(f"{len(runs)} configurations x {len(prompts.ids)} prompts ({prompts.source}) on {device}, "
           f"{str(settings.torch_dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads")
+    if settings.baseline is None and baseline != "ar greedy":  # a choice made for the user: said, not silent
+        print(f"dllm bench: speedups are relative to {baseline!r}, the first configuration (no --baseline given, and "
+              "no configuration named 'ar greedy')", file=sys.stderr)
     profiles, times = time_study(runs, batches, settings)
     repeats_done = min(len(t) for t in times.values()) if times else 0
     stops = _special_ids(models, masks=False) | {getattr(store.tokenizer, "eos_token_id", None)}
@@ -763,7 +766,8 @@ def build_parser() -> argparse.ArgumentParser:
         default = getattr(defaults, name.replace("-", "_"))
         parser.add_argument(f"--{name}", type=kind,
                             help=f"default: {'torch default' if default is None else default}")
-    parser.add_argument("--baseline", help="configuration the speedups are relative to (default: ar greedy)")
+    parser.add_argument("--baseline", help="configuration the speedups are relative to (default: 'ar greedy' when "
+                        "there is one, else the first configuration, said on stderr)")
     parser.add_argument("--dtype", help="auto (default: bfloat16 on GPUs and CPUs with native bf16, else float32), "
                         "float32, bfloat16 or float16")
     parser.add_argument("--device", help="auto (default), cpu or cuda")

@@ -237,13 +237,7 @@ def acceptance_figure(plt, runs: list[dict]):
     ax.set_ylabel("acceptance (drafts 0..j accepted)")
     ax.set_ylim(0, 1.05)
     ax.xaxis.get_major_locator().set_params(integer=True)
-    ax.grid(alpha=0.3)
-    if ax.lines:
-        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
-    else:
-        ax.text(0.5, 0.5, "no speculative configuration", ha="center", transform=ax.transAxes)
-    fig.tight_layout()
-    return fig
+    return _finish(fig, ax, bool(ax.lines))
 
 
 def entropy_figure(plt, runs: list[dict]):
@@ -268,8 +262,13 @@ def entropy_figure(plt, runs: list[dict]):
     ax.set_xlabel("target entropy at the draft's position (nats, temperature 1)")
     ax.set_ylabel("acceptance of the tested draft")
     ax.set_ylim(-0.05, 1.05)
+    return _finish(fig, ax, bool(fitted))
+
+
+def _finish(fig, ax, drawn: bool):
+    """A grid, and the legend outside on the right, or a note where no configuration speculates."""
     ax.grid(alpha=0.3)
-    if fitted:
+    if drawn:
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
     else:
         ax.text(0.5, 0.5, "no speculative configuration", ha="center", transform=ax.transAxes)

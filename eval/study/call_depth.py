@@ -1,4 +1,5 @@
-"""How many calls lie between `dllm.generate` and a model's forward: the plumbing depth issue 13 bounds.
+"""How many calls lie between `dllm.generate` and a model's forward: the plumbing depth ARCHITECTURE.md
+bounds (tests/test_call_depth.py holds it).
 
     python -m dllm.eval.study.call_depth                 # fef, block cache, on a tiny random block-causal model
     python -m dllm.eval.study.call_depth --cache none --window 3

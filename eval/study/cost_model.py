@@ -455,10 +455,12 @@ def grid_from_args(args, device) -> Grid:
 
 def pyplot():
     """matplotlib's pyplot on the Agg backend, or None (with a note) when matplotlib is missing."""
+    from dllm.extras import missing
+
     try:
         import matplotlib
     except ImportError:
-        print("dllm bench: matplotlib is not installed, so no plots (pip install matplotlib)", file=sys.stderr)
+        print(f"dllm bench: no plots: {missing('matplotlib', 'bench', 'plotting')}", file=sys.stderr)
         return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -275,7 +275,9 @@ def _plot(rows: list[dict], path: Path) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib is not installed: no load.png (pip install -e '.[bench]')", file=sys.stderr)
+        from dllm.extras import missing
+
+        print(f"no load.png: {missing('matplotlib', 'bench', 'the plot')}", file=sys.stderr)
         return
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for target in dict.fromkeys(row["target"] for row in rows):

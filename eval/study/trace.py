@@ -189,11 +189,9 @@ def check_trace_path(path: str | Path) -> Path:
     if path.suffix.lower() not in (".html", ".htm", ".png"):
         raise ValueError(f"a trace file must end in .html or .png, got {path.name!r}")
     if path.suffix.lower() == ".png":
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise RuntimeError(f"the trace {path.name} needs matplotlib (pip install 'dllm[bench]'); "
-                               "an .html trace does not") from None
+        from dllm.extras import require
+
+        require("matplotlib", "bench", f"the trace {path.name} (an .html trace does not)")
     return path
 
 
@@ -292,11 +290,9 @@ def _html_cell(cell: Cell, tokenizer) -> str:
 
 def _png(rounds: list[Round], tokenizer, title: str, prompt: str, path: Path) -> None:
     """A text grid: one row per round, one column per answer position, cells coloured by kind."""
-    try:
-        import matplotlib
-    except ImportError as error:
-        raise RuntimeError("a PNG trace needs matplotlib (pip install matplotlib); an .html one does not") from error
-    matplotlib.use("Agg")
+    from dllm.extras import require
+
+    require("matplotlib", "bench", "a PNG trace (an .html one does not)").use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch, Rectangle
 

@@ -11,7 +11,7 @@ Drafters here: ``NgramDrafter`` (prompt lookup), ``CausalDrafter`` (k sequential
 with its own KV cache when given one), ``DiffusionDrafter`` (one call on a fixed-length canvas of a
 bidirectional DiffusionModel) and ``BlockDiffusionDrafter`` (a block-causal one, blocks anchored at the
 answer start, finished blocks cached). ``ar_spec`` builds one from its ``drafter`` option once, before
-the loop (``samplers.ar._make_drafter``); the loop only calls ``propose`` and ``rollback``.
+the loop (``samplers/ar_spec/decode.py: _make_drafter``); the loop only calls ``propose`` and ``rollback``.
 
 fef's draft sources (``MarginalDrafts``, ``StaleDrafts``) answer a wider question, since fef picks its
 window from the draft logits of the positions it may choose: ``logits(view) -> (draft logits [R, K, V] on a

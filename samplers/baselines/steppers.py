@@ -191,10 +191,13 @@ class SdarStepper(_Stepper):
     top-p filtering, and revealing by ``remasking_strategy``: the ``n`` most confident (``low_confidence_static``),
     every one above ``confidence_threshold`` when there are at least ``n`` such, else the ``n`` most confident
     (``low_confidence_dynamic``), or the ``n`` leftmost (``sequential``); ``n`` follows LLaDA's even schedule of
-    ``block_length`` over the steps. Where the official function differs, on purpose: T = 0 is greedy (it
-    divides by T), the mask token is never proposed (it may draw it, leaving the position masked), a step never
-    reveals more than the masked positions left (its top-k would overwrite revealed or prompt tokens), and rows
-    leave a batch when their block is done (its batch runs in lockstep)."""
+    ``block_length`` over the steps; the model's attention blocks are ``block_length`` (the run's,
+    ``dllm.protocols.run_block_size``), as the official function builds its mask. Where the official function
+    differs, on purpose: T = 0 is greedy (it divides by T), the mask token is never proposed (it may draw it,
+    leaving the position masked), a step never reveals more than the masked positions left (its top-k would
+    overwrite revealed or prompt tokens: in a first block that holds prompt tokens, when ``n`` exceeds the masks
+    left, e.g. ``block_length=8`` over 4 steps), and rows leave a batch when their block is done (its batch runs
+    in lockstep)."""
 
     block_length: int = 4
     denoising_steps: int = 4
@@ -230,8 +233,10 @@ class Llada2Stepper(_Stepper):
     LLaDA's even schedule of the block over ``steps``). With ``editing_threshold`` it is LLaDA2.1's: ``n`` is
     ``num_to_transfer`` and a step also rewrites any revealed answer token of the block whose new draw differs
     and passes ``editing_threshold``; once the block has no mask, up to ``max_post_steps`` more calls edit it
-    while edits happen. Differences from the official function, on purpose: the mask token is never proposed,
-    and rows leave a batch when their block is done (it decodes one prompt)."""
+    while edits happen, and a row stops at a stop token only once its block is done (``edits``). The model's
+    attention blocks are ``block_length`` (the run's, ``dllm.protocols.run_block_size``), as the official function
+    builds its mask. Differences from the official function, on purpose: the mask token is never proposed, and
+    rows leave a batch when their block is done (it decodes one prompt)."""
 
     block_length: int = 32
     steps: int = 32
@@ -241,6 +246,12 @@ class Llada2Stepper(_Stepper):
     editing_threshold: float | None = None
     max_post_steps: int = 16
     num_to_transfer: int = 1
+
+    @property
+    def edits(self) -> bool:
+        """2.1 may rewrite revealed tokens of the active block: a row stops only at the block's end (the loop reads
+        it), where its answer up to the stop is what the official function returns."""
+        return self.editing_threshold is not None
 
     def step(self, view: View, logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
         x, start = view.x, view.block[0]
@@ -278,7 +289,7 @@ class Llada2Stepper(_Stepper):
         which = torch.arange(count, device=logits.device) if which is None else which
         chosen = forbid_token(logits.float(), view.mask_token_id)
         if self.temperature:
-            chosen = _filter_logits(chosen, self.temperature, self.top_p, self.top_k, top_k_first=True)
+            chosen = _filter_logits(chosen, self.temperature, self.top_p, self.top_k or None, top_k_first=True)
         drawn = sample_confidence(chosen.reshape(count * width, -1), 1.0 if self.temperature else 0.0,
                                   self._rng(view, which.repeat_interleave(width)))
         return drawn.tokens.reshape(count, width), drawn.token_prob.reshape(count, width)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from dllm.numerics import bind_rows, forbid_token, sample_from_logits
-from dllm.protocols import capabilities, is_diffusion_model
+from dllm.protocols import capabilities, is_diffusion_model, run_block_size
 from dllm.stats import DecodeStats
 
 from ..canvas import Band, Canvas, View, block_candidates
@@ -76,16 +76,20 @@ def sequential_distribution(
     # Block-causal models line their blocks up with the answer, as the samplers call them, or with position 0
     # (``block_anchor="absolute"``): the prompt's tail then opens the first block, and the canvas runs on with
     # masks to the end of a model block; those positions are decoded too (the chain's law over the first
-    # gen_length tokens is summed over them).
+    # gen_length tokens is summed over them). The model's blocks are the run's (``run_block_size``: block_length
+    # on a model whose blocks are a run's choice, passed with each call as the sessions pass it).
     lead = tail = 0
-    if caps.block_size is not None and caps.block_anchor == "absolute":
-        lead, tail = p % block_length, -(p + gen_length) % caps.block_size
+    size = run_block_size(model, block_length)
+    if size is not None and caps.block_anchor == "absolute":
+        lead, tail = p % block_length, -(p + gen_length) % size
     canvas = Canvas.start(prompt[None], gen_length, block_length, mask_id, lead=lead, tail=tail)
     positions = torch.arange(canvas.x.shape[1]) - canvas.span(0)[0]
     block_ids = torch.where(positions >= 0, positions // canvas.block_length, -1)
     states, probs = canvas.x, torch.ones(1, dtype=torch.float64)
     offset = 0 if caps.block_anchor == "absolute" else p
-    extra = {"block_offset": torch.tensor([offset])} if caps.block_size is not None else {}
+    extra = {"block_offset": torch.tensor([offset])} if size is not None else {}
+    if caps.run_blocks and size is not None:
+        extra["block_size"] = size
     for step in range(gen_length + tail):
         if causal:
             logits = model(states[:, : p + step])[:, -1]
