@@ -22,11 +22,13 @@ _PUBLIC = {
     "GenerateOutput": "dllm.api",
     "HMMOracle": "dllm.models.oracle",
     "InconsistentModel": "dllm.models.oracle",
+    "ScoreOutput": "dllm.api",
     "StepEvent": "dllm.stats",
     "apply_chat_template": "dllm.models.chat",
     "capabilities": "dllm.protocols",
     "generate": "dllm.api",
     "load": "dllm.models.loading",
+    "score": "dllm.api",
 }
 
 __all__ = [  # written out (not sorted(_PUBLIC)) so linters and IDEs see the names
@@ -37,15 +39,17 @@ __all__ = [  # written out (not sorted(_PUBLIC)) so linters and IDEs see the nam
     "GenerateOutput",
     "HMMOracle",
     "InconsistentModel",
+    "ScoreOutput",
     "StepEvent",
     "apply_chat_template",
     "capabilities",
     "generate",
     "load",
+    "score",
 ]
 
 if TYPE_CHECKING:
-    from dllm.api import GenerateOutput, generate
+    from dllm.api import GenerateOutput, ScoreOutput, generate, score
     from dllm.models.chat import apply_chat_template
     from dllm.models.loading import load
     from dllm.models.oracle import HMMOracle, InconsistentModel

@@ -11,10 +11,11 @@ from typing import Any
 
 import torch
 
-from dllm.defaults import MAX_NEW_TOKENS, TEMPERATURE
+from dllm.defaults import LOGPROBS_MODE, MAX_NEW_TOKENS, TEMPERATURE
 from dllm.numerics import RowGenerators, check_int, synchronize
 from dllm.protocols import (
     accepts_attention_mask,
+    capabilities,
     context_length,
     is_causal_model,
     is_diffusion_model,
@@ -23,7 +24,9 @@ from dllm.protocols import (
     padding_refusal,
 )
 from dllm.samplers import SAMPLERS, SamplerSpec
+from dllm.samplers.likelihood import LOGPROBS_MODES, Emissions
 from dllm.samplers.registry import check_callback
+from dllm.samplers.scoring import score_chain
 from dllm.stats import DecodeStats
 from dllm.stops import answer_lengths, resolve
 
@@ -38,6 +41,16 @@ class GenerateOutput:
     options: dict[str, Any] = field(default_factory=dict)  # every option, defaults filled in
     exact: bool = True  # False for samplers that only approximate the sequential chain, or approximate caches
     seed: int | None = None  # the seed of the generator generate made, when none was given
+    # With logprobs=True (samplers/likelihood.py): per answer position, the emitted token's log-probability
+    # [B, max_new_tokens] float32 under ``logprobs_mode``'s distribution (0.0 past a row's stop token, where the
+    # fill is certain: a row's sum is its answer's log-probability), and the ``top_logprobs`` most likely tokens
+    # there [B, max_new_tokens, K] (ids -1 and -inf past the stop). For an exact run (``exact``) the chain's own
+    # conditionals, the probability of what was sampled; for an approximate sampler the model's marginal when
+    # the token was committed, which is not the sample's probability.
+    logprobs: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+    top_token_ids: torch.Tensor | None = None
+    logprobs_mode: str | None = None
 
 
 def generate(
@@ -49,6 +62,9 @@ def generate(
     generator: torch.Generator | Sequence[torch.Generator] | None = None,
     attention_mask: torch.Tensor | None = None,
     eos_token_id: int | Sequence[int] | None | str = "model",
+    logprobs: bool = False,
+    top_logprobs: int = 0,
+    logprobs_mode: str = LOGPROBS_MODE,
     **options: Any,
 ) -> GenerateOutput:
     """Generate ``max_new_tokens`` tokens after ``input_ids`` [B, P] with the named sampler.
@@ -62,7 +78,10 @@ def generate(
     it. Rows stop at ``eos_token_id``: one id or several (default: the model's ``stop_token_ids`` or
     ``eos_token_id`` attribute, if any; None disables), by the rule of ``dllm.stops``: the stop token
     is kept, positions after it hold the first stop id, and ``stats.new_tokens`` counts up to and
-    including the stop.
+    including the stop. ``logprobs``: return each emitted token's log-probability (``GenerateOutput.logprobs``)
+    and the ``top_logprobs`` most likely tokens at its position, under ``logprobs_mode`` ("sampled": the law it
+    was drawn from, softmax(logits / T), the temperature-1 law at T = 0; "raw": the model's at temperature 1),
+    read from the logits the rounds already computed (no extra model call).
     """
     spec = _check_sampler(sampler)
     _check_model(model, spec)
@@ -83,27 +102,175 @@ def generate(
                         f"got {type(generator).__name__}")
     attention_mask = _check_attention_mask(attention_mask, input_ids, model)
     stop_ids = resolve(model, eos_token_id)
+    _check_logprobs(spec, logprobs, top_logprobs, logprobs_mode, model)
     config = spec.configure(options, model=model, max_new_tokens=max_new_tokens)
     callback = check_callback(options.get("callback"))
     _check_context(model, input_ids, attention_mask, max_new_tokens)
 
     stats = DecodeStats()
+    record = None
+    if logprobs:
+        record = Emissions.empty(input_ids.shape[0], max_new_tokens, top_logprobs, input_ids.shape[1], temperature,
+                                 logprobs_mode, input_ids.device)
     synchronize(input_ids.device)
     start = time.perf_counter()
     with torch.no_grad():  # decoding never trains: no autograd graph over the model's calls (time, memory)
         sequences = spec.run(model, input_ids, max_new_tokens, temperature=temperature, generator=generator,
                              stats=stats, attention_mask=attention_mask, eos_token_id=stop_ids,
-                             callback=callback, **config.values())
+                             callback=callback, **({} if record is None else {"record": record}), **config.values())
     synchronize(input_ids.device)
     stats.wall_time_s = time.perf_counter() - start
     stats.settle()  # the counters the loop kept on the device, read once: the returned stats hold plain numbers
     if stop_ids is not None:
-        stats.new_tokens = int(answer_lengths(sequences[:, input_ids.shape[1] :], stop_ids).sum())
+        lengths = answer_lengths(sequences[:, input_ids.shape[1] :], stop_ids)
+        stats.new_tokens = int(lengths.sum())
+        if record is not None:
+            record.clear_after(lengths)
     shown = config.values()
     if shown.get("drafter") is not None and not isinstance(shown["drafter"], str):
         named = options.get("drafter", spec.preferred(model, options).get("drafter"))  # a drafter given by name
         shown["drafter"] = named if isinstance(named, str) else type(shown["drafter"]).__name__
-    return GenerateOutput(sequences, stats, sampler, shown, config.exact, seed)
+    out = GenerateOutput(sequences, stats, sampler, shown, config.exact, seed)
+    if record is not None:
+        out.logprobs, out.logprobs_mode = record.logprobs, logprobs_mode
+        out.top_logprobs, out.top_token_ids = record.top_logprobs, record.top_ids
+    return out
+
+
+@dataclass
+class ScoreOutput:
+    """Result of ``score``: the continuation's log-likelihood under the chain the exact samplers sample."""
+
+    logprobs: torch.Tensor  # [B, N] float32, each token's conditional; 0.0 past a row's stop token (its fill)
+    total: torch.Tensor  # [B] float64, the row's sum: the continuation's log-likelihood
+    is_greedy: torch.Tensor  # [B] bool, every token up to the stop is its conditional's most likely one
+    lengths: torch.Tensor  # [B] tokens scored: up to and including the first stop token (N without one)
+    stats: DecodeStats
+    top_logprobs: torch.Tensor | None = None  # [B, N, K] the K most likely tokens at each position
+    top_token_ids: torch.Tensor | None = None
+    options: dict[str, Any] = field(default_factory=dict)  # block_length, cache: the chain's layout
+
+
+def score(
+    model,
+    input_ids: torch.Tensor,
+    continuation_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    eos_token_id: int | Sequence[int] | None | str = "model",
+    top_logprobs: int = 0,
+    block_length: int | None = None,
+    cache: str = "auto",
+    call_tokens: int | None = None,
+    grad: bool = False,
+) -> ScoreOutput:
+    """The log-likelihood of ``continuation_ids`` [B, N] after ``input_ids`` [B, P] under the left-to-right chain
+    that ``sequential`` (and every exact sampler) samples at ``temperature`` (1.0: the model's own law; 0 scores
+    with the temperature-1 law, as ``logprobs_mode="sampled"`` does), per token and summed.
+
+    The chain is the one ``generate(model, input_ids, max_new_tokens=N, block_length=..., ...)`` samples: the
+    canvas holds the prompt and N positions, the blocks are ``block_length``'s (default: the model's block size,
+    else one block of N; when they do not divide N the canvas runs on, masked, to the end of the last block, as
+    generate with max_new_tokens rounded up to whole blocks decodes; a model whose blocks start at position 0 does
+    so by itself) and rows stop at ``eos_token_id`` as
+    generate's do (positions after a row's first stop
+    must hold the fill token, the first stop id, and score 0; anything else there scores -inf: the chain cannot
+    produce it). ``attention_mask`` [B, P]: left padding of the prompts. Cost: one call over copies on a
+    bidirectional model (in parts of at most ``call_tokens`` positions), one call per block with the exact block
+    cache on a block-causal one, one pass on a two-stream model, one forward on a causal model; no sampling.
+    ``grad``: keep the autograd graph, so that ``logprobs`` and ``total`` are differentiable in the model's weights
+    (a policy-gradient step re-scoring its rollouts: docs/studies/rl-rollouts.md); the numbers are the same.
+    """
+    spec = SAMPLERS["sequential"] if is_diffusion_model(model) else SAMPLERS["ar"]
+    if not (is_diffusion_model(model) or is_causal_model(model)):
+        raise TypeError(f"score needs a DiffusionModel or a CausalModel; got {type(model).__name__}")
+    _check_model(model, spec)
+    _check_input_ids(input_ids, model, spec)
+    if not isinstance(continuation_ids, torch.Tensor) or continuation_ids.dim() != 2 \
+            or continuation_ids.shape[0] != input_ids.shape[0] or continuation_ids.shape[1] < 1:
+        raise ValueError(f"continuation_ids must be a tensor [batch={input_ids.shape[0]}, N >= 1], got "
+                         f"{getattr(continuation_ids, 'shape', type(continuation_ids).__name__)}")
+    if continuation_ids.dtype.is_floating_point or continuation_ids.dtype == torch.bool:
+        raise TypeError(f"continuation_ids must hold integer token ids, got dtype {continuation_ids.dtype}")
+    if continuation_ids.device != input_ids.device:
+        raise ValueError(f"continuation_ids must be on input_ids' device {input_ids.device}, got "
+                         f"{continuation_ids.device}")
+    if int(continuation_ids.min()) < 0 or int(continuation_ids.max()) >= model.vocab_size:
+        raise ValueError(f"continuation_ids must lie in [0, vocab_size={model.vocab_size}), got "
+                         f"[{int(continuation_ids.min())}, {int(continuation_ids.max())}]")
+    mask_id = getattr(model, "mask_token_id", None)
+    if is_diffusion_model(model) and bool((continuation_ids == mask_id).any()):
+        raise ValueError(f"continuation_ids must not contain the mask token (id {mask_id}): the chain never emits it")
+    _check_temperature(temperature)
+    check_int("top_logprobs", top_logprobs, minimum=0)
+    if call_tokens is not None:
+        check_int("call_tokens", call_tokens, minimum=1)
+    new = continuation_ids.shape[1]
+    attention_mask = _check_attention_mask(attention_mask, input_ids, model)
+    stop_ids = resolve(model, eos_token_id)
+    options, canvas = {}, new
+    if is_diffusion_model(model):
+        if cache not in ("auto", "none", "block"):
+            raise ValueError(f"cache must be 'auto', 'none' or 'block' (the exact sessions), got {cache!r}")
+        if block_length is not None:
+            check_int("block_length", block_length, minimum=1)
+        block = block_length or capabilities(model).block_size or new
+        # whole blocks (the positions past N stay masked while N is scored), except on a model whose blocks start at
+        # position 0: its canvas follows the prompt to a block's end by itself (Canvas.lead, tail), as generate's
+        absolute = capabilities(model).block_anchor == "absolute"
+        canvas = new if absolute else -(-new // block) * block
+        config = spec.configure({"cache": cache, "block_length": block}, model=model, max_new_tokens=canvas)
+        if not config.exact:
+            raise ValueError(f"cache={cache!r} with block_length={block} is not an exact session on this model; "
+                             "score reads the exact chain only")
+        options = {key: config.values()[key] for key in ("block_length", "cache")}
+    elif block_length is not None:
+        raise ValueError("block_length is for a diffusion model's chain; a causal model has no blocks")
+    _check_context(model, input_ids, attention_mask, canvas)
+    record = Emissions.empty(input_ids.shape[0], new, max(1, top_logprobs), input_ids.shape[1], temperature,
+                             "sampled", input_ids.device)
+    stats = DecodeStats()
+    start = time.perf_counter()
+    forced = continuation_ids
+    if canvas > new:  # the canvas' last positions: masked while the continuation is scored, never read after
+        forced = torch.cat([continuation_ids, continuation_ids[:, -1:].expand(-1, canvas - new)], dim=1)
+    if not isinstance(grad, bool):
+        raise TypeError(f"grad must be True or False, got {grad!r}")
+    with torch.enable_grad() if grad else torch.no_grad():
+        scored = score_chain(model, input_ids, forced, temperature=temperature, stats=stats, record=record,
+                             attention_mask=attention_mask, eos_token_id=stop_ids, call_tokens=call_tokens,
+                             block_length=options.get("block_length", new), cache=options.get("cache", "none"))
+    scored = scored[:, : input_ids.shape[1] + new]
+    stats.wall_time_s = time.perf_counter() - start
+    stats.settle()
+    lengths = torch.full((input_ids.shape[0],), new, dtype=torch.long, device=input_ids.device)
+    if stop_ids is not None:
+        lengths = answer_lengths(continuation_ids, stop_ids)
+        record.clear_after(lengths)
+        impossible = scored[:, input_ids.shape[1]:] != continuation_ids  # after a stop, anything but the fill
+        record.buffer[:, :-1] = record.logprobs.masked_fill(impossible, float("-inf"))
+    logprobs = record.logprobs
+    scored_part = torch.arange(new, device=logprobs.device)[None, :] < lengths[:, None]
+    greedy = (logprobs >= record.top_logprobs[..., 0]) | ~scored_part
+    top = {} if not top_logprobs else {"top_logprobs": record.top_logprobs[..., :top_logprobs],
+                                       "top_token_ids": record.top_ids[..., :top_logprobs]}
+    return ScoreOutput(logprobs, logprobs.double().sum(dim=1), greedy.all(dim=1), lengths, stats, **top,
+                       options=options)
+
+
+def _check_logprobs(spec: SamplerSpec, logprobs, top_logprobs, mode, model) -> None:
+    if not isinstance(logprobs, bool):
+        raise TypeError(f"logprobs must be True or False, got {logprobs!r}")
+    check_int("top_logprobs", top_logprobs, minimum=0)
+    if top_logprobs > model.vocab_size:
+        raise ValueError(f"top_logprobs must be at most the vocabulary ({model.vocab_size}), got {top_logprobs}")
+    if mode not in LOGPROBS_MODES:
+        raise ValueError(f"logprobs_mode must be one of {list(LOGPROBS_MODES)}, got {mode!r}")
+    if top_logprobs and not logprobs:
+        raise ValueError(f"top_logprobs={top_logprobs} needs logprobs=True")
+    if logprobs and spec.name == "native":
+        raise ValueError("logprobs: sampler 'native' runs the checkpoint's own loop, which hands back no logits; "
+                         "use one of dllm's samplers")
 
 
 def _check_sampler(sampler: str) -> SamplerSpec:

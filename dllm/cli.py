@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dllm.defaults import DTYPE, DTYPES, MAX_NEW_TOKENS, TEMPERATURE
+from dllm.defaults import DTYPE, DTYPES, LOGPROBS_MODE, LOGPROBS_MODES, MAX_NEW_TOKENS, TEMPERATURE
 
 if TYPE_CHECKING:
     from dllm.stats import StepEvent
@@ -212,6 +212,12 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--show-steps", action="store_true", help="print the canvas after every round")
     p.add_argument("--trace", metavar="FILE", help="write the denoising trajectory as .html or .png")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--logprobs", type=int, metavar="K", help="print each generated token's log-probability and the K "
+                   "most likely tokens at its position (0: the token's alone; exact samplers: the probability of "
+                   "what was sampled under their chain)")
+    p.add_argument("--logprobs-mode", default=LOGPROBS_MODE, choices=LOGPROBS_MODES,
+                   help=f"sampled: the law each token was drawn from (temperature applied; default); raw: the "
+                        f"model's at temperature 1 (default {LOGPROBS_MODE})")
     p.add_argument("--demo", action="store_true", help="run on the built-in HMM oracle (no model files needed)")
 
 
@@ -224,6 +230,8 @@ def _generate(args: argparse.Namespace) -> int:
         raise UserError(f"--sampler must be one of {sorted(SAMPLERS)}, got {args.sampler!r}")
     options = parse_options(args.sampler, args.option)
     _check_max_new_tokens(args.max_new_tokens)
+    if args.logprobs is not None and args.logprobs < 0:
+        raise UserError(f"--logprobs must be >= 0 (the alternatives shown per token), got {args.logprobs}")
     check_device(args.device)
     if args.trace:  # before decoding: a missing plotting library must not cost a whole run
         from dllm.eval.study.trace import check_trace_path
@@ -271,13 +279,39 @@ def _generate(args: argparse.Namespace) -> int:
                                mask_token_id=getattr(model, "mask_token_id", None),
                                stop_token_ids=resolve_stops(model))  # generate's stops: columns after go
         print(f"trace written to {written.resolve()}", file=sys.stderr)
+    tokens = _token_logprobs(out, tokenizer, ids.shape[1]) if args.logprobs is not None else None
     if args.json:
         print(json.dumps({"model": path, "sampler": args.sampler, "options": out.options, "prompt": text,
-                          "completion": completion, "exact": out.exact, "stats": out.stats.to_dict()}))
+                          "completion": completion, "exact": out.exact, "stats": out.stats.to_dict(),
+                          **({} if tokens is None else {"logprobs_mode": out.logprobs_mode, "tokens": tokens})}))
         return 0
     print(text + completion)
+    if tokens is not None:
+        _print_logprobs(tokens, out)
     _print_stats(out)
     return 0
+
+
+def _token_logprobs(out, tokenizer, start: int) -> list[dict]:
+    """The first row's generated tokens with their log-probabilities and top alternatives (up to its stop)."""
+    new = int(out.stats.new_tokens)
+    ids = out.sequences[0, start : start + new].tolist()
+    rows = []
+    for j, token in enumerate(ids):
+        top = [(tokenizer.decode([t]), round(float(v), 6)) for t, v in
+               zip(out.top_token_ids[0, j].tolist(), out.top_logprobs[0, j].tolist()) if t >= 0]
+        rows.append({"token": tokenizer.decode([token]), "id": token, "logprob": round(float(out.logprobs[0, j]), 6),
+                     "top": top})
+    return rows
+
+
+def _print_logprobs(tokens: list[dict], out) -> None:
+    total = sum(t["logprob"] for t in tokens)
+    law = "the chain sampled" if out.exact else "the marginals committed from (an approximate sampler)"
+    print(f"-- log-probabilities ({out.logprobs_mode}, under {law}; sum {total:.4f}):")
+    for t in tokens:
+        top = ", ".join(f"{text!r} {value:.3f}" for text, value in t["top"])
+        print(f"  {t['token']!r:>12} {t['logprob']:9.4f}" + (f"   top: {top}" if top else ""))
 
 
 def _check_max_new_tokens(value: int) -> None:
@@ -290,9 +324,11 @@ def _run(model, ids, args, options):
 
     import dllm
 
+    wanted = {} if args.logprobs is None else {"logprobs": True, "top_logprobs": args.logprobs,
+                                                 "logprobs_mode": args.logprobs_mode}
     return dllm.generate(model, ids, sampler=args.sampler, max_new_tokens=args.max_new_tokens,
                          temperature=args.temperature, generator=torch.Generator(ids.device).manual_seed(args.seed),
-                         **options)
+                         **wanted, **options)
 
 
 def _load(path: str, flag: str, kind: str, device, dtype):

@@ -1,8 +1,8 @@
 """Counting model calls, one way for everyone: every call becomes one ``Call`` handed to a recorder
 (``DecodeStats.record`` for the samplers' statistics, bench's ``CallLog.record`` for its cost model).
 
-- The samplers' sessions and ``Caller`` (``samplers/sessions.py``) record a ``Call`` for each model call they
-  make themselves, so no wrapper stands between a sampler and the model.
+- The samplers' sessions and ``Caller`` (``samplers/sessions/``, ``samplers/calling.py``) record a ``Call`` for each
+  model call they make themselves, so no wrapper stands between a sampler and the model.
 - ``CountingModel`` wraps a model (plain, cached and structured calls) for a caller outside the samplers:
   bench counts through it.
 - ``count_calls`` hooks a module: native loops (a checkpoint's own ``generate``) are counted that way.

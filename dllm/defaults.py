@@ -76,6 +76,11 @@ MAX_NEW_TOKENS = 64
 # New tokens per answer in `dllm eval`: enough for a real model's GSM8K chain of thought. It caps this default at
 # what the model's context leaves after the longest prompt (an explicit --max-new-tokens is checked strictly).
 EVAL_MAX_NEW_TOKENS = 256
+# Which distribution out.logprobs (and the server's logprobs) report: the law each token was sampled from, so
+# that an exact sampler's logprobs sum to the log-probability of its sample (what RL's importance ratios and
+# scoring need); "raw" is the model's distribution at temperature 1 (samplers/likelihood.py).
+LOGPROBS_MODE = "sampled"
+LOGPROBS_MODES = ("sampled", "raw")
 DTYPE = "auto"  # see auto_dtype
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 

@@ -85,7 +85,7 @@ def is_causal_model(model: object) -> bool:
 #   (its own ``block_size`` is then only the default), as the family's official decoder builds its mask from its
 #   own ``block_length`` (SDAR's ``block_diffusion_generate``, LLaDA2's ``generate``). A run's attention blocks
 #   are ``run_block_size(model, block_length)``: the sampler's block_length on such a model, else block_size;
-#   the sessions pass it on every call (``samplers/sessions.py: Caller``), so a run never changes the model.
+#   the sessions pass it on every call (``samplers/calling.py: Caller``), so a run never changes the model.
 #
 # KV cache (``cache``): ``model.new_cache()`` returns a cache with ``.length`` (int), ``.crop(length: int)``
 #   (in place) and ``.select(rows: LongTensor) -> cache``. ``model.forward_cached(input_ids [N, n], cache, *,

@@ -274,15 +274,26 @@ class StepEvent:
     # [R, W(+1), V] the logits verification tested draft j against (row j; then the bonus row): the
     # target's own logits, before any temperature (fef, ar_spec)
     target_logits: torch.Tensor | None = None
+    # the logits each revealed token was drawn from, before any temperature, aligned with ``revealed``: [R, K, V]
+    # for positions (an exact sampler's chain conditional there; fef's and ar_spec's are ``target_logits`` along
+    # the path verification followed), [R, Ls, V] over the view for a bool ``revealed`` (an approximate sampler's
+    # marginals when it committed). What ``GenerateOutput.logprobs`` is made of (samplers/likelihood.py)
+    emitted_logits: torch.Tensor | None = None
+    # with generate(logprobs=True): what the rows emitted so far, with its log-probabilities ([R, N], 0.0 where
+    # nothing was emitted yet) and top alternatives ([R, N, K]): GenerateOutput's fields as they grow (streams)
+    logprobs: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+    top_token_ids: torch.Tensor | None = None
 
     def detached(self, logits: bool = False) -> StepEvent:
         """A copy on the CPU that later steps cannot overwrite (samplers reuse their buffers).
 
-        ``target_logits`` ([R, W + 1, V]: megabytes per step at real vocabularies, for callers that keep every
-        event) is dropped unless ``logits``."""
+        ``target_logits`` and ``emitted_logits`` ([R, W + 1, V]: megabytes per step at real vocabularies, for
+        callers that keep every event) are dropped unless ``logits``."""
+        heavy = ("target_logits", "emitted_logits")
         kept = {f.name: getattr(self, f.name).detach().cpu().clone() for f in fields(self)
-                if torch.is_tensor(getattr(self, f.name)) and (logits or f.name != "target_logits")}
-        return replace(self, **kept, **({} if logits else {"target_logits": None}))
+                if torch.is_tensor(getattr(self, f.name)) and (logits or f.name not in heavy)}
+        return replace(self, **kept, **({} if logits else dict.fromkeys(heavy)))
 
     def draft_outcomes(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every draft verification tested -> (target entropy in nats [N], accepted [N] bool); see

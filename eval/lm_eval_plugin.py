@@ -23,8 +23,8 @@ differs from dllm's own command lines, where `auto` is bf16 where the device com
 `revision`, `trust_remote_code`, `sampler` (default: ar for a causal model, fef for a diffusion one),
 `temperature` (used when a request sets none), `max_gen_toks`, `seed`, `batch_size` (an int or "auto";
 given in model_args it wins over `--batch_size`), `max_batch_size` (the ceiling of "auto"),
-`add_bos_token`, `prefix_token_id`, `max_length`, and for diffusion models `mc_samples`, `mc_batch_size`,
-`check_greedy` (below); every other key must be an option of the chosen sampler (`window=4`,
+`add_bos_token`, `prefix_token_id`, `max_length`, and for diffusion models `loglikelihood`, `mc_samples`,
+`mc_batch_size`, `check_greedy` (below); every other key must be an option of the chosen sampler (`window=4`,
 `drafter=PATH` for ar_spec), read by the option's type as on dllm's command line (`cache=none` stays a
 string).
 
@@ -33,7 +33,12 @@ Requests:
   gen_kwargs; `do_sample=False` (or temperature 0) decodes greedily, else at the request's temperature.
   With `block_length` set, the token budget is rounded up to whole blocks and the answer cut back.
 - `loglikelihood`: exact for causal models (sum of next-token log-probabilities, batched as HFLM does).
-  For diffusion models the Monte-Carlo ELBO of LLaDA (Nie et al. 2025, eq. 6, Appendix B.6): mask
+  For diffusion models, model_args `loglikelihood=exact` scores the continuation under the left-to-right chain
+  the exact samplers sample (`dllm.score`: one call over copies on a bidirectional model, one per block with the
+  exact block cache on a block-causal one; requests of equal continuation length batched, contexts left-padded),
+  and `is_greedy` is whether every token is its conditional's most likely one, read from the same call: the law
+  scored, the law sampled and the law `is_greedy` judges are one. The default, `loglikelihood=elbo`, is what
+  LLaDA's published scores use: the Monte-Carlo ELBO of LLaDA (Nie et al. 2025, eq. 6, Appendix B.6): mask
   l ~ U{1..n} of the n continuation tokens, weight the masked tokens' log-probabilities by n / l, average
   over `mc_samples` (default 32) maskings drawn from a generator seeded by (`seed`, request). A
   block-causal model is scored block by block as it was trained: block b is noised alone, after the clean
@@ -41,7 +46,8 @@ Requests:
   model calls' worth of rows per request, `mc_batch_size` rows per call. It is a lower bound, noisy with
   few samples: its standard error (over the samples) is logged per task and kept in `elbo_stderr`.
   `is_greedy` is whether greedy `sequential` decoding reproduces the continuation: one more decode of n
-  model calls per request; `check_greedy=False` skips it and reports False.
+  model calls per request; `check_greedy=False` skips it and reports False. Which method ran is logged and kept
+  in `loglikelihood_method`.
 - `loglikelihood_rolling` (perplexity tasks): lm-eval's rolling windows (prefix token, `max_length`);
   causal models score them exactly, diffusion models with the same ELBO per window.
 """
@@ -83,7 +89,8 @@ logger = logging.getLogger("lm_eval.models.dllm")
 DEFAULT_MAX_LENGTH = 2048  # HFLM's default when neither config nor tokenizer names a length
 OWN_KEYS = ("pretrained", "kind", "dtype", "device", "revision", "trust_remote_code", "sampler", "temperature",
             "max_gen_toks", "seed", "batch_size", "max_batch_size", "add_bos_token", "prefix_token_id",
-            "max_length", "mc_samples", "mc_batch_size", "check_greedy")
+            "max_length", "loglikelihood", "mc_samples", "mc_batch_size", "check_greedy")
+LOGLIKELIHOODS = ("elbo", "exact")  # a diffusion model's loglikelihood: LLaDA's Monte-Carlo ELBO, or dllm.score
 
 
 class DllmLM(TemplateLM):
@@ -93,8 +100,9 @@ class DllmLM(TemplateLM):
                  device: str | None = None, revision: str | None = None, trust_remote_code: bool | None = None,
                  sampler: str | None = None, temperature: float = TEMPERATURE, max_gen_toks: int = 256, seed: int = 0,
                  batch_size: int | str = 1, max_batch_size: int | None = 64, add_bos_token: bool | None = None,
-                 prefix_token_id: int | None = None, max_length: int | None = None, mc_samples: int = 32,
-                 mc_batch_size: int = 32, check_greedy: bool = True, **sampler_options: Any) -> None:
+                 prefix_token_id: int | None = None, max_length: int | None = None, loglikelihood: str = "elbo",
+                 mc_samples: int = 32, mc_batch_size: int = 32, check_greedy: bool = True,
+                 **sampler_options: Any) -> None:
         super().__init__()
         if sampler is not None:
             _check_keys(sampler, sampler_options)
@@ -109,6 +117,8 @@ class DllmLM(TemplateLM):
         self.custom_prefix_token_id = None if prefix_token_id is None else _int("prefix_token_id", prefix_token_id, 0)
         self.add_bos_token = _flag("add_bos_token", add_bos_token, optional=True)
         self.check_greedy = _flag("check_greedy", check_greedy)
+        if loglikelihood not in LOGLIKELIHOODS:
+            raise ValueError(f"model_args loglikelihood must be one of {list(LOGLIKELIHOODS)}, got {loglikelihood!r}")
         load_kw = {k: v for k, v in (("revision", revision), ("trust_remote_code", trust_remote_code)) if v is not None}
         if _own_checkpoint(pretrained, kind):  # this project's folders run no remote code and have no revisions
             load_kw = {}
@@ -117,6 +127,8 @@ class DllmLM(TemplateLM):
         self.model = dllm.load(pretrained or default_model(sampler or "fef"), kind=kind, device=device, dtype=dtype,
                                **load_kw)
         self.causal = is_causal_model(self.model)
+        # what scores a loglikelihood request: exact for a causal model, the chosen method for a diffusion one
+        self.loglikelihood_method = "exact" if self.causal else loglikelihood
         if sampler is None:  # the model's plain sampler: lm-eval's numbers for causal models, fef for diffusion
             sampler = "ar" if self.causal else "fef"
             _check_keys(sampler, sampler_options)
@@ -304,6 +316,10 @@ class DllmLM(TemplateLM):
             return []
         if self.causal:
             return self._causal_loglikelihoods(requests, disable_tqdm)
+        if self.loglikelihood_method == "exact":
+            return self._chain_loglikelihoods(requests, disable_tqdm)
+        logger.info("dllm loglikelihood: LLaDA's Monte-Carlo ELBO (mc_samples=%d; loglikelihood=exact scores the "
+                    "exact chain)", self.mc_samples)
         results, errors = [], []
         for key, context, continuation in tqdm(requests, disable=disable_tqdm, desc="dllm loglikelihood (ELBO)"):
             estimate, stderr = self._elbo(context, continuation)
@@ -348,6 +364,45 @@ class DllmLM(TemplateLM):
                     bar.update(1)
         bar.close()
         return collator.get_original(results)
+
+    @torch.inference_mode()
+    def _chain_loglikelihoods(self, requests, disable_tqdm: bool) -> list[tuple[float, bool]]:
+        """``dllm.score`` of each continuation (the exact samplers' chain at temperature 1): requests of equal
+        continuation length in batches of ``batch_size``, contexts left-padded (one at a time on a model that
+        takes no padding); a context keeps its last tokens within max_length."""
+        from dllm.protocols import accepts_attention_mask
+
+        size = self._block_size()
+        per_call = self.batch_size if accepts_attention_mask(self.model) else 1
+        order = sorted(range(len(requests)), key=lambda i: (len(requests[i][2]), -len(requests[i][1])))
+        results: list[tuple[float, bool] | None] = [None] * len(requests)
+        calls = 0
+        bar = tqdm(total=len(requests), disable=disable_tqdm, desc="dllm loglikelihood (exact chain)")
+        while order:
+            n = len(requests[order[0]][2])
+            group = [i for i in order[:per_call] if len(requests[i][2]) == n]
+            order = order[len(group):]
+            canvas = _round_up(n, size or 1)
+            if not n or canvas >= self.max_length:
+                raise ValueError(f"a loglikelihood request needs a continuation of 1 to {self.max_length - 1} tokens "
+                                 f"(with its block padding); got {n}")
+            contexts = [requests[i][1][-(self.max_length - canvas):] for i in group]
+            width = max(map(len, contexts))
+            ids = torch.tensor([[self._pad_id()] * (width - len(c)) + c for c in contexts], device=self._device)
+            mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in contexts], device=self._device)
+            conts = torch.tensor([requests[i][2] for i in group], device=self._device)
+            scored = dllm.score(self.model, ids, conts, attention_mask=mask if not bool(mask.all()) else None,
+                                temperature=1.0, eos_token_id=None)
+            calls += scored.stats.nfe
+            for row, i in enumerate(group):
+                results[i] = (float(scored.total[row]), bool(scored.is_greedy[row]))
+                if requests[i][0] is not None:
+                    self.cache_hook.add_partial("loglikelihood", requests[i][0], results[i])
+            bar.update(len(group))
+        bar.close()
+        logger.info("dllm loglikelihood: the exact chain (dllm.score) over %d requests, %d model calls", len(requests),
+                    calls)
+        return results
 
     def _block_size(self) -> int | None:
         return getattr(self.model, "block_size", None)  # dllm.protocols: block-causal models declare it

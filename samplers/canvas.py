@@ -4,7 +4,7 @@ Decoding is block-synchronous: block k of every row is finished before any row s
 that finish a block early wait and cost nothing). ``Canvas`` holds the tokens; each step gets a ``View`` of
 the active rows (their tokens, the active block's positions inside the view, and the session's calls bound
 to those rows) and reads logits on a ``Band`` of positions per row. How the model is called lives in
-``samplers/sessions.py``.
+``samplers/sessions/`` (through ``samplers/calling.py``).
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -16,8 +17,28 @@ from dllm.numerics import bind_rows
 from dllm.protocols import capabilities, run_block_size
 from dllm.stats import DecodeStats, StepEvent
 
-from .canvas import Canvas
-from .sessions import Stepper, open_session
+from .canvas import Canvas, View
+from .likelihood import Emissions
+from .sessions import open_session
+
+
+class Stepper(Protocol):
+    """One sampler's rounds over the active block (``samplers/loop.py: run`` loops over them).
+
+    ``logits(view)``: what the step starts from, usually the model at the view's state (one call); ``step(view,
+    logits)``: the round itself -> (the view's tokens after it, the step event's fields). ``lookahead``: the
+    step wants each call to score the next block too (``BlockCacheSession``). Optional: ``edits`` (True: a step may
+    rewrite revealed tokens of the active block, LLaDA2.1's, so a row stops at a stop token only once its block is
+    done: ``Canvas.stop_at_eos``'s ``until``).
+    """
+
+    lookahead: bool
+
+    def begin_block(self, block: int) -> None: ...
+
+    def logits(self, view: View): ...
+
+    def step(self, view: View, logits) -> tuple[torch.Tensor, dict]: ...
 
 
 @dataclass(frozen=True)
@@ -47,10 +68,11 @@ def options_stepper(cls) -> Callable[..., Stepper]:
 def run(
     stepping: Stepping, model, prompt, gen_length, /, *, temperature, generator, stats: DecodeStats, block_length: int,
     cache: str = "auto", attention_mask: torch.Tensor | None = None, eos_token_id: tuple[int, ...] | None = None,
-    callback=None, **options,
+    callback=None, record: Emissions | None = None, **options,
 ) -> torch.Tensor:
     """Decode ``gen_length`` masked positions after ``prompt`` [B, P] -> [B, P + N], with the stepper that
-    ``stepping.build(temperature, generator, stats, blocks, block_length, **options)`` builds.
+    ``stepping.build(temperature, generator, stats, blocks, block_length, **options)`` builds; ``record``: what each
+    step revealed, with its log-probability (``samplers/likelihood.py``), from the logits the step already read.
 
     The loop is written out here, not in a helper, so that a model call is four frames below ``generate``
     (this loop, the step, the session, the model: ``python -m dllm.eval.study.call_depth``).
@@ -61,7 +83,7 @@ def run(
     if layout is not None:  # a model layout with its own exact loop (the two-stream layout: samplers/fef/two_stream.py)
         return layout(model, prompt, gen_length, temperature=temperature, generator=generator, stats=stats,
                       block_length=block_length, cache=cache, attention_mask=attention_mask,
-                      eos_token_id=eos_token_id, callback=callback)
+                      eos_token_id=eos_token_id, callback=callback, record=record)
     lead = tail = 0
     if capabilities(model).block_anchor == "absolute":  # blocks from position 0: the prompt's tail opens block 0
         size = run_block_size(model, block_length)  # the run's attention blocks (the checkpoint's, or block_length)
@@ -69,7 +91,7 @@ def run(
         if len(groups) > 1:  # rows whose prompts end at different places in a block decode apart
             return _by_group(stepping, model, prompt, gen_length, groups, temperature=temperature, generator=generator,
                              stats=stats, block_length=block_length, cache=cache, attention_mask=attention_mask,
-                             eos_token_id=eos_token_id, callback=callback, **options)
+                             eos_token_id=eos_token_id, callback=callback, record=record, **options)
         into = groups[0][0]  # the prompts' length modulo the run's block
         lead, tail = into % block_length, -(into + gen_length) % size
     canvas = Canvas.start(prompt, gen_length, block_length, model.mask_token_id, eos_token_id, lead, tail)
@@ -84,9 +106,12 @@ def run(
             view = session.view(rows, left[1])
             new_x, info = stepper.step(view, stepper.logits(view))
             canvas.x[rows, view.offset : view.offset + new_x.shape[1]] = new_x
+            if record is not None:
+                record.take_step(rows, info, view.offset, view.block[0], canvas.x)
             canvas.stop_at_eos(rows, canvas.span(block)[1] if getattr(stepper, "edits", False) else None)
             if callback is not None:
-                callback(StepEvent(**info, rows=rows, x=canvas.x[rows], offset=view.offset))
+                callback(StepEvent(**info, rows=rows, x=canvas.x[rows], offset=view.offset,
+                                   **({} if record is None else record.of_rows(rows))))
     return canvas.x[:, : canvas.x.shape[1] - tail]
 
 
@@ -102,14 +127,17 @@ def _anchor_groups(prompt: torch.Tensor, attention_mask: torch.Tensor | None,
 
 
 def _by_group(stepping: Stepping, model, prompt, gen_length, groups, /, *, generator, attention_mask, callback,
-              **kwargs) -> torch.Tensor:
+              record, **kwargs) -> torch.Tensor:
     """``run`` on each group of rows (``_anchor_groups``) -> the batch's sequences [B, P + N]. Per-row generators
-    stay each row's own (bound to the group's rows); callback events name batch rows."""
+    stay each row's own (bound to the group's rows), and so do the record and any option holding a value per row
+    (one with ``bind(rows)``: scoring's given tokens); callback events name batch rows."""
     out = torch.empty((prompt.shape[0], prompt.shape[1] + gen_length), dtype=torch.long, device=prompt.device)
     for _, rows in groups:
         told = None if callback is None else functools.partial(_renamed, callback, rows)
+        options = {key: value.bind(rows) if hasattr(value, "bind") else value for key, value in kwargs.items()}
         out[rows] = run(stepping, model, prompt[rows], gen_length, generator=bind_rows(generator, rows),
-                        attention_mask=attention_mask[rows], callback=told, **kwargs)
+                        attention_mask=attention_mask[rows], callback=told,
+                        record=None if record is None else record.bind(rows), **options)
     return out
 
 

@@ -48,13 +48,15 @@ def rejection_sample(
 
 
 def tree_path(drafts: torch.Tensor, target_logits: torch.Tensor, outcome: VerifyResult,
-              continuations: Continuations | None = None) -> dict:
+              continuations: Continuations | None = None, leaf_logits: torch.Tensor | None = None) -> dict:
     """``StepEvent``'s draft fields for a round: ``drafts`` [R, K] and ``target_logits`` [R, K + 1, V] along the
     path verification followed (a taken sibling in place of the chain's draft, then its branch's drafts and
-    targets when it has ``continuations``), with ``branch``, ``branch_depth`` and ``replaced`` (the chain's
-    draft the sibling replaced; -1: none) for a draft tree."""
+    targets when it has ``continuations``, or its leaf row, ``leaf_logits`` [R, K, A, V], after a sibling that
+    is a leaf), with ``branch``, ``branch_depth`` and ``replaced`` (the chain's draft the sibling replaced; -1:
+    none) for a draft tree. Row k of the path's ``target_logits`` is then the law the k-th emitted token was
+    drawn from (whichever of accepted draft, sibling, correction or bonus it was): ``emitted_logits``."""
     if outcome.branch is None:
-        return {"drafts": drafts, "target_logits": target_logits}
+        return {"drafts": drafts, "target_logits": target_logits, "emitted_logits": target_logits}
     took = outcome.branch > 0
     depth = torch.where(took, outcome.branch_depth, -1)
     rows = took.nonzero().squeeze(-1)
@@ -69,5 +71,8 @@ def tree_path(drafts: torch.Tensor, target_logits: torch.Tensor, outcome: Verify
         target_logits = target_logits.clone()
         after = torch.arange(target_logits.shape[1], device=j.device)[None, :] > j[:, None]
         target_logits[rows] = torch.where(after[..., None], continuations.targets[slot], target_logits[rows])
-    return {"drafts": path, "target_logits": target_logits, "branch": outcome.branch, "branch_depth": depth,
-            "replaced": replaced}
+    elif leaf_logits is not None and rows.numel():  # the token after a leaf sibling came from its leaf row
+        target_logits = target_logits.clone()
+        target_logits[rows, j + 1] = leaf_logits[rows, j, outcome.branch[rows] - 1].to(target_logits.dtype)
+    return {"drafts": path, "target_logits": target_logits, "emitted_logits": target_logits,
+            "branch": outcome.branch, "branch_depth": depth, "replaced": replaced}

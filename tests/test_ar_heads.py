@@ -28,7 +28,7 @@ from dllm.samplers import sequential_distribution
 from dllm.samplers.ar_spec import ar_spec
 from dllm.samplers.ar_spec.drafters import DiffusionDrafter, Draft, DraftContext
 from dllm.samplers.ar_spec.heads import EagleDrafter, RepairDrafter
-from dllm.samplers.sessions import Caller
+from dllm.samplers.calling import Caller
 from dllm.stats import DecodeStats
 
 from stat_tools import ALPHA, chi_square_pvalue, sharp

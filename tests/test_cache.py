@@ -321,7 +321,7 @@ def test_block_drafter_logits_equal_each_row_alone(cached):
     each row's draft positions equal one call on that row alone (padding stripped), blocks anchored at the
     answer start and the canvas ending with its last draft's block."""
     from dllm.samplers.ar_spec.drafters import block_draft_logits as _block_draft_logits
-    from dllm.samplers.sessions import Caller
+    from dllm.samplers.calling import Caller
     from dllm.stats import DecodeStats
 
     drafter = tiny("block_causal", seed=3)  # block_size 4

@@ -44,7 +44,7 @@ def test_every_chain_from_generate_to_a_forward_is_at_most_four_calls(capsys, ar
     assert chains and lines[-1].endswith("at most 4")
     assert all(int(line.split()[1]) <= 4 for line in chains), chains
     if not argv:  # fef with the block cache: the copies call and the draft call both reach forward_cached
-        copies = ("samplers/fef/round.py:round -> samplers/sessions.py:logits -> "
+        copies = ("samplers/fef/round.py:round -> samplers/sessions/block.py:logits -> "
                   "dllm/models/transformer.py:forward_cached")
         assert any(copies in line
                    for line in chains), chains

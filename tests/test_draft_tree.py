@@ -21,8 +21,8 @@ from dllm.models.transformer import TransformerConfig, TransformerLM
 from dllm.numerics import sample_from_logits, sample_more
 from dllm.samplers import sequential_distribution
 from dllm.samplers.ar_spec.decode import _target_rows, _tree_rows
+from dllm.samplers.calling import Caller
 from dllm.samplers.drafting import Draft
-from dllm.samplers.sessions import Caller
 from dllm.samplers.verify import rejection_sample
 from dllm.stats import DecodeStats
 

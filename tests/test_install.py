@@ -51,6 +51,19 @@ def test_triton_is_an_extra_not_a_dependency():
     assert project["scripts"]["dllm-lm-eval"] == "dllm.eval.lm_eval_cli:main"
 
 
+def test_every_package_folder_is_listed_for_the_wheel():
+    # an editable install finds a subpackage through its parent's folder; a wheel holds only the listed ones
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(tool["packages"])
+    for package, folder in tool["package-dir"].items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            parts = init.parent.relative_to(ROOT / folder).parts
+            name = ".".join((package, *parts))
+            data = parts[:1] == ("weights",) or (parts[:1] == ("metrics",) and len(parts) > 1)  # package data
+            if not data:
+                assert name in listed, f"{name} ({init.parent.relative_to(ROOT)}) is missing from pyproject's packages"
+
+
 def test_cpu_paths_run_without_triton():
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DLLM_KERNELS": "auto"}
     result = subprocess.run([sys.executable, "-c", WITHOUT_TRITON], cwd=ROOT, env=env, capture_output=True,

@@ -128,6 +128,41 @@ def _argmax(model, ids: list[int], offset) -> int:
         return int(model(torch.tensor([ids]), block_offset=offset)[0, -1].argmax())
 
 
+@pytest.mark.parametrize("layout", ["block_causal", "bidirectional"])
+def test_exact_loglikelihood_is_the_chain_the_samplers_sample(layout, diffusion_path, bidirectional_path, caplog):
+    """loglikelihood=exact: each request's score is dllm.score's (brute force below: one conditional at a time on
+    the canvas generate decodes), batched across requests of equal continuation length with ragged contexts, and
+    is_greedy holds exactly for the continuation greedy sequential decoding produces."""
+    path = diffusion_path if layout == "block_causal" else bidirectional_path
+    lm = DllmLM(pretrained=str(path), sampler="fef", loglikelihood="exact", batch_size=4)
+    assert lm.loglikelihood_method == "exact"
+    model, mask = lm.model, lm.model.mask_token_id
+    contexts = [lm.tok_encode(t) for t in ("Tom has 3", "Anna buys 2 pens and", "the cat sat on the")]
+    greedy_answer = dllm.generate(model, torch.tensor([contexts[0]]), sampler="sequential", max_new_tokens=4,
+                                  temperature=0.0, eos_token_id=None).sequences[0, len(contexts[0]):].tolist()
+    requests = [(None, contexts[0], greedy_answer), (None, contexts[1], greedy_answer),
+                (None, contexts[2], lm.tok_encode(" mat")), (None, contexts[1], greedy_answer[:3])]
+    with caplog.at_level(logging.INFO, logger="lm_eval.models.dllm"):
+        results = lm._loglikelihood_tokens(requests)
+    assert "the exact chain (dllm.score)" in caplog.text
+    size = model.block_size if layout == "block_causal" else None
+    for (_, context, continuation), (value, greedy) in zip(requests, results):
+        n = len(continuation)
+        canvas = context + [mask] * (-(-n // size) * size if size else n)
+        extra = {"block_offset": torch.tensor([len(context)])} if size else {}
+        expected, argmax = 0.0, True
+        for j, token in enumerate(continuation):
+            expected += _log_prob(model, canvas, len(context) + j, token, **extra)
+            with torch.inference_mode():
+                logits = model(torch.tensor([canvas]), **extra)[0, len(context) + j].float()
+                logits[mask] = -math.inf
+            argmax &= int(logits.argmax()) == token
+            canvas[len(context) + j] = token
+        assert value == pytest.approx(expected, abs=1e-4) and greedy == argmax
+    assert results[0][1] is True  # greedy decoding's own continuation
+    assert lm.elbo_stderr == []  # no ELBO ran
+
+
 def test_diffusion_elbo_is_unbiased_and_reports_its_standard_error(bidirectional_path, caplog):
     """The Monte-Carlo estimate lies within 4 of its reported standard errors of the exact ELBO, computed by
     enumerating every masked subset of a 3-token continuation (fixed seed)."""
@@ -186,6 +221,8 @@ def test_max_length_is_the_context_the_model_declares(causal_path):
 
 def test_model_args_are_checked_before_loading(tmp_path):
     missing = str(tmp_path / "absent")  # loading it would fail: the key must be refused first
+    with pytest.raises(ValueError, match="loglikelihood must be one of"):
+        DllmLM(pretrained=missing, loglikelihood="mc")
     with pytest.raises(ValueError, match=r"unknown model_args key\(s\) \['widow'\].*'window'"):
         DllmLM(pretrained=missing, sampler="fef", widow=4)
     with pytest.raises(ValueError, match="mc_samples must be an int >= 1"):

@@ -51,8 +51,9 @@ def test_counting_model_counts_through_one_record_and_forwards_only_what_the_mod
 @pytest.mark.parametrize("cache", ["none", "block"])
 def test_a_session_returns_the_features_of_the_call_it_makes(cache):
     """Draft heads read features through the session: the exact block cache gives the full call's."""
+    from dllm.samplers.calling import Caller
     from dllm.samplers.canvas import Canvas
-    from dllm.samplers.sessions import Caller, choose_session
+    from dllm.samplers.sessions import choose_session
     from dllm.stats import DecodeStats
 
     model = _model("block_causal")
@@ -72,7 +73,7 @@ def test_a_session_returns_the_features_of_the_call_it_makes(cache):
 
 def test_every_masked_sampler_runs_the_one_loop_with_a_stepper_of_the_protocol():
     """The registry's run function is ``loop.run`` with the family's ``Stepping`` bound; every stepper it builds
-    declares what the loop reads (``samplers.sessions.Stepper``): lookahead, begin_block, logits, step."""
+    declares what the loop reads (``samplers.loop.Stepper``): lookahead, begin_block, logits, step."""
     import functools
 
     from dllm.samplers import SAMPLERS, loop

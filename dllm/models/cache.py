@@ -1,7 +1,8 @@
 """The project's caches, named for what they hold: ``KVCache`` (keys/values of a prefix, computed once and
 reused by :class:`dllm.models.transformer.TransformerLM`) and ``RevealCache`` (the two-stream layout's
 content stream, in reveal order, over every canvas row). The adapters' caches share ``SizedCache``; how the
-samplers use a cache (block, prefix, dual; rolled back for ar_spec) is ``samplers/sessions.py``.
+samplers use a cache (block, prefix, dual; rolled back for ar_spec) is ``samplers/sessions/`` (and
+``samplers/ar_spec/caches.py``).
 
 Exact (same logits as recomputing the prefix) for causal attention, and for block-causal attention
 while the cache holds only whole blocks that come before every new query. For bidirectional attention

@@ -112,6 +112,7 @@ class _Request:
         self.created = int(time.time())
         self.queue: asyncio.Queue = asyncio.Queue()
         model = settings.model
+        self.tokenizer = model.tokenizer
         self.runs = [ChoiceRun(job, index, ids, seed, model.tokenizer, getattr(model, "mask_token_id", None),
                                self._emit) for index, ids, seed in job.choices()]
         self.lanes = [Lane(run.work, self._done(run.index)) for run in self.runs]
@@ -169,13 +170,55 @@ class _Request:
         for index in sorted(outcomes):
             outcome = outcomes[index]
             if job.endpoint == "completions":
-                choice = {"index": index, "text": outcome.text, "logprobs": None}
+                prompt = self.runs[index].prompt
+                choice = {"index": index, "text": self.runs[index].echoed + outcome.text,
+                          "logprobs": self._completion_logprobs(outcome, prompt)}
             else:
-                choice = {"index": index, "message": {"role": "assistant", "content": outcome.text}}
+                choice = {"index": index, "message": {"role": "assistant", "content": outcome.text},
+                          "logprobs": self._chat_logprobs(outcome.logprobs)}
             choices.append({**choice, "finish_reason": outcome.finish_reason})
         return {"id": self.id, "object": "text_completion" if job.endpoint == "completions" else "chat.completion",
                 "created": self.created, "model": self.job.model_name, "choices": choices,
                 "usage": self._usage(outcomes.values()), "dllm": self._extension(outcomes)}
+
+    # ------------------------------------------------------------------------------------------ logprobs
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def _completion_logprobs(self, outcome: Outcome, prompt: list[int]) -> dict | None:
+        """OpenAI's completions logprobs: tokens, token_logprobs, top_logprobs ({token: logprob}) and text_offset
+        (each token's first character in ``text``); with echo the prompt's tokens come first (the first one
+        scored None, having no context)."""
+        if self.job.logprobs is None:
+            return None
+        entries = [*(outcome.prompt_logprobs or [None] * len(prompt) if self.job.echo else []),
+                   *(outcome.logprobs or [])]
+        ids = [*(prompt if self.job.echo else []), *outcome.token_ids]
+        return self._completion_fields(ids, entries, offset=0)
+
+    def _completion_fields(self, ids: list[int], entries: list[dict | None], offset: int) -> dict:
+        tokens, logprobs, tops, offsets = [], [], [], []
+        for token, entry in zip(ids, entries):
+            piece = self._decode([token])
+            tokens.append(piece)
+            offsets.append(offset)
+            offset += len(piece)
+            logprobs.append(None if entry is None else _finite(entry["logprob"]))
+            tops.append(None if entry is None else {self._decode([t]): _finite(v) for t, v in entry["top"]})
+        return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+    def _chat_logprobs(self, entries: list[dict] | None) -> dict | None:
+        """OpenAI's chat logprobs: ``content``, one {token, logprob, bytes, top_logprobs} per token."""
+        if entries is None:
+            return None
+        content = []
+        for entry in entries:
+            piece = self._decode([entry["id"]])
+            content.append({"token": piece, "logprob": _finite(entry["logprob"]), "bytes": list(piece.encode()),
+                            "top_logprobs": [{"token": self._decode([t]), "logprob": _finite(v),
+                                              "bytes": list(self._decode([t]).encode())} for t, v in entry["top"]]})
+        return {"content": content, "refusal": None}
 
     def _usage(self, outcomes) -> dict:
         prompt = sum(len(ids) for ids in self.job.prompts)
@@ -186,9 +229,17 @@ class _Request:
         """dllm's statistics beside OpenAI's fields: sampler, options, exactness, and per choice its seed, token
         ids, model calls, tokens per call and acceptance."""
         job = self.job
+        exact = all(outcome.exact for outcome in outcomes.values())
+        logprobs = {} if job.logprobs is None else {"logprobs": {
+            "mode": job.logprobs_mode,
+            "law": ("the chain the exact sampler sampled: a choice's sum is its completion's log-probability"
+                    if exact else "the marginals the approximate sampler committed from, not the sample's "
+                                  "probability"),
+            **({"prompt": "dllm.score at temperature 1: each prompt token given the ones before it"}
+               if job.echo else {})}}
         return {"sampler": job.sampler, "options": {k: v for k, v in job.options.items() if _plain(v)},
                 "temperature": job.temperature, "max_tokens": job.max_tokens, "seed": job.seed,
-                "exact": all(outcome.exact for outcome in outcomes.values()),
+                "exact": exact, **logprobs,
                 "choices": [{"index": index, "seed": outcomes[index].seed, "token_ids": outcomes[index].token_ids,
                              **outcomes[index].stats}
                             for index in sorted(outcomes)]}
@@ -207,7 +258,8 @@ class _Request:
                 kind, index, payload = await self.queue.get()
                 if kind == "text":
                     first = first or time.monotonic()
-                    yield self._chunk(index, payload)
+                    text, entries, offset = payload
+                    yield self._chunk(index, text, logprobs=entries, offset=offset)
                 elif kind == "canvas":
                     yield _sse({"id": self.id, "object": "dllm.canvas", "created": self.created,
                                 "model": self.job.model_name, "choices": [{"index": index, "canvas": payload}]})
@@ -238,18 +290,31 @@ class _Request:
     def _object(self) -> str:
         return "text_completion" if self.job.endpoint == "completions" else "chat.completion.chunk"
 
-    def _chunk(self, index: int, text, finish_reason: str | None = None) -> str:
+    def _chunk(self, index: int, text, finish_reason: str | None = None, logprobs: list | None = None,
+               offset: int = 0) -> str:
+        """One chunk of choice ``index``: new text, and with logprobs the entries of the tokens it completes (the first
+        at character ``offset`` of the choice's whole text; a prompt's first entry is None, echo)."""
         if self.job.endpoint == "completions":
-            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            fields = None
+            if logprobs is not None:
+                ids = self.runs[index].prompt if logprobs and logprobs[0] is None else [e["id"] for e in logprobs]
+                fields = self._completion_fields(ids, logprobs, offset=offset)
+            choice = {"index": index, "text": text or "", "logprobs": fields, "finish_reason": finish_reason}
         else:
             delta = text if isinstance(text, dict) else ({} if text is None else {"content": text})
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": self._chat_logprobs(logprobs),
+                      "finish_reason": finish_reason}
         return _sse({"id": self.id, "object": self._object(), "created": self.created,
                      "model": self.job.model_name, "choices": [choice]})
 
 
 def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
+
+
+def _finite(value: float) -> float:
+    """A log-probability JSON can carry: -inf (a token the law cannot produce) as OpenAI's -9999.0."""
+    return value if value != float("-inf") else -9999.0
 
 
 def _plain(value) -> bool:

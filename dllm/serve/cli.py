@@ -17,6 +17,8 @@ from pathlib import Path
 from dllm.defaults import (
     DTYPE,
     DTYPES,
+    LOGPROBS_MODE,
+    LOGPROBS_MODES,
     MAX_NEW_TOKENS,
     SERVE_GRACE_S,
     SERVE_MAX_BATCH_SIZE,
@@ -52,6 +54,10 @@ def parser() -> argparse.ArgumentParser:
                    f"gives none (default {MAX_NEW_TOKENS})")
     p.add_argument("--default-temperature", type=float, default=SERVE_TEMPERATURE, help="temperature of a request "
                    f"that gives none (default {SERVE_TEMPERATURE:g}, OpenAI's; 0: greedy)")
+    p.add_argument("--logprobs-mode", default=LOGPROBS_MODE, choices=LOGPROBS_MODES,
+                   help="the distribution logprobs report when a request names none (a request's logprobs_mode wins): "
+                        f"sampled, the law each token was drawn from, or raw, the model's at temperature 1 (default "
+                        f"{LOGPROBS_MODE})")
     p.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template for /v1/chat/completions (default: "
                    "the tokenizer's, which a model folder declares; the shipped models': their training format)")
     p.add_argument("--dtype", default=DTYPE, choices=DTYPES)
@@ -92,7 +98,7 @@ def build(args: argparse.Namespace, engine_thread: bool = True):
     options = parse_options(sampler, args.option)
     SAMPLERS[sampler].configure(options, model=model, max_new_tokens=args.default_max_tokens)
     settings = ServerSettings(model, names, sampler, options, args.default_max_tokens, args.default_temperature,
-                              args.max_n, template)
+                              args.max_n, template, args.logprobs_mode)
     engine = Engine(model, max_batch_size=args.max_batch_size, max_queue=args.max_queue, thread=engine_thread)
     return create_app(settings, engine, grace=args.grace)
 

@@ -15,7 +15,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from dllm.defaults import MAX_NEW_TOKENS, SERVE_MAX_N, SERVE_TEMPERATURE
+from dllm.defaults import LOGPROBS_MODE, LOGPROBS_MODES, MAX_NEW_TOKENS, SERVE_MAX_N, SERVE_TEMPERATURE
 from dllm.models.chat import missing_chat_template
 from dllm.numerics import SEED_LIMIT
 from dllm.protocols import context_length, is_causal_model, max_prompt_length
@@ -23,11 +23,12 @@ from dllm.samplers import SAMPLERS
 from dllm.samplers.registry import typed_options
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
+MAX_LOGPROBS = 20  # top alternatives a token may carry: OpenAI's chat limit (its completions allow 5)
 # OpenAI fields dllm does not implement: refused when set to anything but their neutral value.
-UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
-               "suffix": (None, ""), "frequency_penalty": (None, 0), "presence_penalty": (None, 0),
-               "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"),
-               "response_format": (None, {"type": "text"}), "repetition_penalty": (None, 1)}
+UNSUPPORTED = {"best_of": (None, 1), "suffix": (None, ""), "frequency_penalty": (None, 0),
+               "presence_penalty": (None, 0), "logit_bias": (None, {}), "tools": (None, []),
+               "tool_choice": (None, "none"), "response_format": (None, {"type": "text"}),
+               "repetition_penalty": (None, 1)}
 IGNORED = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")  # read, not acted on
 # Options a request may not set (``--option`` sets them at start): files or objects the server loads, and fef's
 # call_tokens, the bound on one forward's activations that the operator sizes to the device's memory.
@@ -58,6 +59,7 @@ class ServerSettings:
     default_temperature: float = SERVE_TEMPERATURE
     max_n: int = SERVE_MAX_N
     chat_template: str | None = None  # a Jinja template; None: the tokenizer's own
+    logprobs_mode: str = LOGPROBS_MODE  # the distribution logprobs report when a request names none
 
     @property
     def model_name(self) -> str:
@@ -85,6 +87,9 @@ class Job:
     stream_canvas: bool
     seed_given: bool
     exact: bool  # the sampler's config with these options samples the exact law (what generate reports)
+    logprobs: int | None = None  # alternatives per token when the request asks for logprobs (None: not asked)
+    echo: bool = False  # completions: the prompt's tokens, with their logprobs when asked, before the completion
+    logprobs_mode: str = LOGPROBS_MODE
 
     def choices(self) -> list[tuple[int, list[int], int]]:
         """(choice index, prompt ids, seed) of every lane: prompt i's choice j is index i * n + j, seeded seed + j
@@ -102,8 +107,8 @@ def parse(body: Any, endpoint: str, settings: ServerSettings) -> Job:
     sampler = _sampler(body.get("sampler", settings.sampler), model)
     prompts = _chat(body, tokenizer, settings) if endpoint == "chat.completions" else _prompts(body, tokenizer, model)
     known = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
-             "stop", "stop_token_ids", "seed", "n", "stream", "stream_options", "sampler", "stream_canvas", *IGNORED,
-             *UNSUPPORTED}
+             "stop", "stop_token_ids", "seed", "n", "stream", "stream_options", "sampler", "stream_canvas", "logprobs",
+             "top_logprobs", "echo", "logprobs_mode", *IGNORED, *UNSUPPORTED}
     for name, neutral in UNSUPPORTED.items():
         if name in body and body[name] not in neutral:
             raise BadRequest(f"{name} is not supported by dllm serve (got {body[name]!r}); leave it out")
@@ -124,15 +129,20 @@ def parse(body: Any, endpoint: str, settings: ServerSettings) -> Job:
     except ValueError as error:
         raise BadRequest(str(error)) from None
 
+    logprobs, echo, mode = _logprobs(body, endpoint, settings)
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-    max_tokens = settings.default_max_tokens if max_tokens is None else _int(name, max_tokens, 1)
+    # max_tokens 0 with echo: the prompt scored, nothing generated (lm-eval's loglikelihood requests, vLLM's rule)
+    max_tokens = settings.default_max_tokens if max_tokens is None else _int(name, max_tokens, 0 if echo else 1)
     for ids in prompts:
-        _check_length(ids, max_tokens, name, model)
+        _check_length(ids, max(max_tokens, 1), name, model)
     try:
-        exact = spec.configure(options, model=model, max_new_tokens=max_tokens).exact
+        exact = spec.configure(options, model=model, max_new_tokens=max(max_tokens, 1)).exact
     except (ValueError, TypeError) as error:
         raise BadRequest(str(error)) from None
+    if logprobs is not None and sampler == "native":
+        raise BadRequest("logprobs: sampler 'native' runs the checkpoint's own loop, which hands back no logits; "
+                         "name another sampler")
 
     temperature = body.get("temperature")
     temperature = settings.default_temperature if temperature is None else _number("temperature", temperature, 0.0)
@@ -149,10 +159,35 @@ def parse(body: Any, endpoint: str, settings: ServerSettings) -> Job:
     return Job(endpoint, model_name, prompts, max_tokens, float(temperature), sampler, options,
                _stop(body.get("stop")), _stop_ids(body.get("stop_token_ids"), model), seed, n, stream,
                _bool("stream_options.include_usage", stream_options.get("include_usage", False)),
-               _bool("stream_canvas", body.get("stream_canvas", False)), seed_given, exact)
+               _bool("stream_canvas", body.get("stream_canvas", False)), seed_given, exact, logprobs, echo, mode)
 
 
 # ------------------------------------------------------------------------------------------------ fields
+
+
+def _logprobs(body: dict, endpoint: str, settings: ServerSettings) -> tuple[int | None, bool, str]:
+    """(alternatives per token or None, echo, the distribution reported) in OpenAI's spelling of each endpoint:
+    completions' ``logprobs`` is the number of alternatives (0: the token's alone) and ``echo`` prepends the prompt;
+    chat's ``logprobs`` is true or false with ``top_logprobs`` the alternatives. ``logprobs_mode`` is dllm's."""
+    mode = body.get("logprobs_mode", settings.logprobs_mode)
+    if mode not in LOGPROBS_MODES:
+        raise BadRequest(f"logprobs_mode must be one of {list(LOGPROBS_MODES)}, got {_shown(mode)}")
+    value = body.get("logprobs")
+    if endpoint == "completions":
+        if "top_logprobs" in body:
+            raise BadRequest("top_logprobs belongs to /v1/chat/completions; /v1/completions takes logprobs=K (the "
+                             "alternatives per token)")
+        echo = _bool("echo", body.get("echo", False))
+        return (None if value is None else _int("logprobs", value, 0, MAX_LOGPROBS)), echo, mode
+    if "echo" in body:
+        raise BadRequest("echo belongs to /v1/completions; /v1/chat/completions has no echo")
+    wanted = _bool("logprobs", False if value is None else value)
+    top = body.get("top_logprobs")
+    if top is not None:
+        top = _int("top_logprobs", top, 0, MAX_LOGPROBS)
+        if not wanted:
+            raise BadRequest("top_logprobs needs logprobs: true")
+    return (top or 0) if wanted else None, False, mode
 
 
 def _model_name(name, settings: ServerSettings) -> str:

@@ -21,6 +21,7 @@ RECIPES: dict[str, str] = {
     "repair-head": "dllm.training.ar_heads:repair_main",
     "distill-drafter": "dllm.training.ar_heads:drafter_main",  # the diffusion drafter's own weights, for ar_spec
     "sdar": "dllm.training.sdar",  # the shipped SDAR-layout model: start point, hub export, evaluation
+    "grpo": "dllm.training.grpo",  # policy-gradient steps with exact rollouts (fef + logprobs) and their study
 }
 
 

@@ -25,7 +25,7 @@ positions per input (T = rows x t):
   heads (g = 1) k and v repeated to every head), or the attention mask while it is built if larger (two more
   copies), plus the mask itself (rows x t x (c + t) bool) and the rotary tables (T x head_dim x 4 x 2).
 - logits: the call's logits at the head, rows x K x V x (b + 4): the model's dtype, then float32 for the rows
-  read (``samplers/sessions.py: _settle``; b + 0 in float32, where the cast is a no-op).
+  read (``samplers/calling.py: settle``; b + 0 in float32, where the cast is a no-op).
 - sampler buffers (float32 [rows, K, V] and [R, W + 1, V] tensors the round keeps): see ``_calls``.
 - fef's ``call_tokens`` runs a call in parts of whole inputs with at most that many positions: the forward terms
   are one part's, plus the float32 logits of the parts before it.

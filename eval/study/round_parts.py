@@ -46,7 +46,7 @@ PARTS = {
                    ("dllm.samplers.fef.two_stream", "_store_drafts", "next drafts stored"),
                    ("dllm.samplers.fef.two_stream", "_set_pending", "next drafts stored")),
     "copies": (("dllm.samplers.fef.round", "choose_window", "window"),
-               ("dllm.samplers.fef.round", "_build_copies", "target call: inputs"),
+               ("dllm.samplers.fef.round", "build_copies", "target call: inputs"),
                ("dllm.samplers.fef.round", "pick_next", "copies' picks"),
                ("dllm.samplers.fef.round", "rejection_sample", "verify rule")),
 }

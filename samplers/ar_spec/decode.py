@@ -50,18 +50,21 @@ from dllm.protocols import capabilities, is_diffusion_model
 from dllm.stats import DecodeStats, StepEvent
 from dllm.stops import emitted_until_stop, fill_token, is_stop
 
+from ..calling import Caller, check_logits
 from ..drafting import Draft, cut_draft, more_candidates
-from ..sessions import Caller, check_logits, rollback_cache, use_cache
+from ..likelihood import Emissions
 from ..verify import Continuations, Noise, rejection_sample, tree_path
+from .caches import rollback_cache, use_cache
 from .drafters import CausalDrafter, DiffusionDrafter, DraftContext, Drafter, NgramDrafter, append_at_lengths
 from .heads import head_drafter
 
 
 def ar(
     model, prompt, gen_length, *, temperature, generator, stats: DecodeStats, cache="auto", attention_mask=None,
-    eos_token_id=None, callback=None,
+    eos_token_id=None, callback=None, record: Emissions | None = None,
 ) -> torch.Tensor:
-    """One token per call from the next-token distribution -> [B, P + N]."""
+    """One token per call from the next-token distribution -> [B, P + N]; ``record``: each token with its
+    log-probability (``samplers/likelihood.py``)."""
     batch, prompt_len = prompt.shape
     seq = _buffer(prompt, gen_length, eos_token_id)
     caller = Caller(model, stats, attention_mask=_full_mask(attention_mask, batch, seq.shape[1] + 1, prompt.device))
@@ -78,9 +81,11 @@ def ar(
                                    append=True, at=last)[:, -1]
         token = sample_from_logits(logits, temperature, bind_rows(generator, rows))
         seq[rows, end] = token
+        if record is not None:
+            record.take(rows, torch.full((len(rows), 1), end, device=seq.device), logits[:, None], seq)
         stats.count_round(torch.ones_like(token))
         if callback is not None:
-            callback(StepEvent("ar", rows, seq[rows, : end + 1]))
+            callback(StepEvent("ar", rows, seq[rows, : end + 1], **({} if record is None else record.of_rows(rows))))
         if eos_token_id is not None and bool(is_stop(token, eos_token_id).any()):
             keep = ~is_stop(token, eos_token_id)
             rows = rows[keep]
@@ -94,6 +99,7 @@ def ar_spec(
     model, prompt, gen_length, *, temperature, generator, stats: DecodeStats, drafter="ngram",
     num_draft_tokens=4, max_ngram=3, draft_head=None, draft_confidence=None, draft_candidates=1,
     candidates_below=None, draft_cutoff=None, cache="auto", attention_mask=None, eos_token_id=None, callback=None,
+    record: Emissions | None = None,
 ) -> torch.Tensor:
     """Speculative decoding against the causal target ``model`` -> [B, P + N].
 
@@ -144,9 +150,14 @@ def ar_spec(
         hit = offsets[None, :] < emitted[:, None]
         seq[rows[:, None].expand_as(hit)[hit], (length[:, None] + offsets)[hit]] = outcome.tokens[hit]
         lengths[rows] += emitted
-        if callback is not None:
-            callback(StepEvent("ar_spec", rows, seq[rows], num_drafts=num_drafts, num_accepted=outcome.num_accepted,
-                               **tree_path(drafts, target, outcome, tree.get("continuations"))))
+        if callback is not None or record is not None:  # the path verification followed, and each token's law
+            path = tree_path(drafts, target, outcome, tree.get("continuations"), tree.get("leaf_logits"))
+            if record is not None:
+                record.take(rows, torch.where(hit, length[:, None] + offsets, -1), path["emitted_logits"], seq)
+            if callback is not None:
+                callback(StepEvent("ar_spec", rows, seq[rows], num_drafts=num_drafts,
+                                   num_accepted=outcome.num_accepted, **path,
+                                   **({} if record is None else record.of_rows(rows))))
         # Tokens every row holds for sure and the caches may keep: those before the last emitted one; after an
         # accepted alternative, before it (the caches hold the chain's draft at its position).
         held = lengths[rows] - 1

@@ -33,8 +33,8 @@ import torch
 
 from dllm.numerics import bind_rows, forbid_token, sample_from_logits
 
+from ..calling import Caller
 from ..drafting import Draft
-from ..sessions import Caller
 
 
 @dataclass(frozen=True)

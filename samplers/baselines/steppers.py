@@ -48,7 +48,7 @@ class _Stepper:
     generator: torch.Generator
     stats: DecodeStats
 
-    lookahead = False  # (samplers.sessions.Stepper) calls need not score the next block
+    lookahead = False  # (samplers.loop.Stepper) calls need not score the next block
 
     def begin_block(self, block: int) -> None:
         self.step_index = 0
@@ -69,14 +69,17 @@ class _Stepper:
         """The generator bound to the batch rows of ``index`` (positions into the view's rows)."""
         return bind_rows(self.generator, view.rows[index])
 
-    def _reveal(self, view: View, where, tokens, chosen: torch.Tensor, name: str) -> tuple[torch.Tensor, dict]:
-        """The view's tokens with the proposals written at the chosen positions; counts the step."""
+    def _reveal(self, view: View, where, tokens, chosen: torch.Tensor, name: str,
+                logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """The view's tokens with the proposals written at the chosen positions; counts the step. ``logits`` [R,
+        block, V]: the model's marginals the step drew from (before temperature and filters), the event's
+        ``emitted_logits``."""
         proposed = torch.full_like(view.x, -1)
         proposed[where] = tokens
         hit = chosen & (proposed >= 0)
         self.stats.count_round(hit.sum(dim=1))
         self.step_index += 1
-        return torch.where(hit, proposed, view.x), {"sampler": name, "revealed": hit}
+        return torch.where(hit, proposed, view.x), {"sampler": name, "revealed": hit, "emitted_logits": logits}
 
 
 @dataclass
@@ -110,7 +113,7 @@ class LladaStepper(_Stepper):
         schedule = _transfer_schedule(self.block_length, self.steps_per_block)
         k = torch.full_like(view.rows, schedule[min(self.step_index, len(schedule) - 1)])
         chosen = _top_k(_scatter(score, where, view.x.shape), k)
-        return self._reveal(view, where, proposal.tokens, chosen, "llada")
+        return self._reveal(view, where, proposal.tokens, chosen, "llada", logits)
 
 
 @dataclass
@@ -143,7 +146,7 @@ class DreamStepper(_Stepper):
             k = counts if last else (counts.double() * fraction).long()
             rows = torch.arange(view.x.shape[0], device=view.x.device)
             chosen = _top_k(_scatter(score, where, view.x.shape), k, self.alg_temp, self._rng(view, rows))
-        return self._reveal(view, where, proposal.tokens, chosen, "dream")
+        return self._reveal(view, where, proposal.tokens, chosen, "dream", logits)
 
 
 @dataclass
@@ -164,7 +167,7 @@ class FastDllmStepper(_Stepper):
             passes = ranked > (0.9 if self.threshold is None else self.threshold)
         passes[:, 0] = True  # at least one token per step
         k = passes.long().cumprod(dim=1).sum(dim=1).clamp(max=(confidence > -math.inf).sum(1))
-        return self._reveal(view, where, proposal.tokens, _top_k(confidence, k), "fast_dllm")
+        return self._reveal(view, where, proposal.tokens, _top_k(confidence, k), "fast_dllm", logits)
 
 
 @dataclass
@@ -181,7 +184,7 @@ class EbStepper(_Stepper):
         # Sorted ascending, the running max is the newest entry: sum(H) - max(H) = cumsum - H_n.
         bound = finite.cumsum(dim=1) - finite
         k = ((bound <= self.gamma) & torch.isfinite(ranked)).long().cumprod(dim=1).sum(dim=1).clamp(min=1)
-        return self._reveal(view, where, proposal.tokens, _top_k(-entropy, k), "eb")
+        return self._reveal(view, where, proposal.tokens, _top_k(-entropy, k), "eb", logits)
 
 
 @dataclass
@@ -222,7 +225,7 @@ class SdarStepper(_Stepper):
                 high = (score > self.confidence_threshold).sum(dim=1)
                 n = torch.where(high >= n, high, n)
         chosen = _top_k(score, torch.minimum(n, candidates.sum(dim=1)))
-        return self._reveal(view, where, proposal.tokens, chosen, "sdar")
+        return self._reveal(view, where, proposal.tokens, chosen, "sdar", logits)
 
 
 @dataclass
@@ -279,7 +282,7 @@ class Llada2Stepper(_Stepper):
         self.step_index += 1
         revealed = torch.zeros_like(x, dtype=torch.bool)
         revealed[:, start : view.block[1]] = reveal
-        return x, {"sampler": "llada2", "revealed": revealed}
+        return x, {"sampler": "llada2", "revealed": revealed, "emitted_logits": logits}
 
     def _draw(self, view: View, logits: torch.Tensor, which: torch.Tensor | None = None):
         """A token and its probability at every position of the block [N, block] for view rows ``which`` [N] (None:

@@ -120,7 +120,7 @@ class FefStepper:
 
         positions = band.positions(slots)  # view positions, where the copies reveal drafts
         total = None if counts is None else sum(c + 1 - draft_is_state for c in counts)
-        copies, copy_index, row_of = _build_copies(x, positions, drafts, count, draft_is_state, total)
+        copies, copy_index, row_of = build_copies(x, positions, drafts, count, draft_is_state, total)
         if tree is not None:  # the branches' copies join the call
             copies, row_of = tree.add_copies(x, positions, count, copies, row_of)
         most = None if counts is None or tree is not None else \
@@ -190,7 +190,7 @@ class FefStepper:
         target_slots[rows, count] = bonus.clamp(min=0)
         if self.source.wants_next:  # the state's logits: a valid proposal (any proposal keeps verification exact)
             self.source.observe(view, gather_positions(state_logits, band.at()), band)
-        event = {"drafts": drafts, "target_logits": targets}
+        event = {"drafts": drafts, "target_logits": targets, "emitted_logits": targets}
         return self._reveal(view, band, slots, count, target_slots, outcome, event)
 
     def _reveal(self, view: View, band: Band, slots, num_drafts, target_slots, outcome, event: dict):
@@ -208,7 +208,7 @@ class FefStepper:
                                    "revealed": revealed, **event}
 
 
-def _build_copies(
+def build_copies(
     x: torch.Tensor,  # [R, L]
     positions: torch.Tensor,  # [R, W]
     drafts: torch.Tensor,  # [R, W]

@@ -48,6 +48,7 @@ from dllm.stats import DecodeStats, StepEvent
 
 from ..canvas import Canvas
 from ..drafting import Draft, cut_draft, independent_drafts, more_candidates
+from ..likelihood import Emissions
 from ..order import choose_window, top1_probability
 from ..verify import Continuations, Noise, rejection_sample, tree_path
 from .sources import head_drafts
@@ -86,7 +87,7 @@ def decode(model, prompt, gen_length, *, temperature, generator, stats: DecodeSt
            block_length: int, cache: str = "auto", attention_mask=None, eos_token_id=None, callback=None,
            sampler: str = "sequential", draft_head=None, draft_candidates: int = 1,
            candidates_below: float | None = None, draft_cutoff: float | None = None,
-           compile: bool = False) -> torch.Tensor:
+           compile: bool = False, record: Emissions | None = None) -> torch.Tensor:
     """Decode ``gen_length`` tokens after ``prompt`` [B, P] -> [B, P + N]; window 0 is ``sequential``.
 
     ``draft_head`` (a ``DraftHead`` with ``condition_first``): drafts come from it, step j reading the
@@ -119,10 +120,13 @@ def decode(model, prompt, gen_length, *, temperature, generator, stats: DecodeSt
             info = two_stream_round(state, rows, in_block, temperature, bind_rows(generator, rows), stats,
                                     order=order, window=window, tree=(draft_candidates, candidates_below),
                                     cutoff=draft_cutoff)
+            if record is not None:
+                record.take(rows, info["revealed"], info["emitted_logits"], canvas.x)
             canvas.stop_at_eos(rows)
             state.cache.compact(min_unused=0.25)  # rejected drafts pile up within a long block
             if callback is not None:
-                callback(StepEvent(sampler=sampler, rows=rows, x=canvas.x[rows], **info))
+                callback(StepEvent(sampler=sampler, rows=rows, x=canvas.x[rows], **info,
+                                   **({} if record is None else record.of_rows(rows))))
     return canvas.x
 
 
@@ -205,7 +209,7 @@ def two_stream_round(state: _Decoding, rows, in_block, temperature, generator, s
         _store_drafts(state, rows, logits, features, q_col, q_copy, q_valid, chain, count)
         if branches is not None:
             branches.store(state, rows, outcome)
-    info = {"revealed": emitted}
+    info = {"revealed": emitted, "emitted_logits": target_logits}  # a sequential step's one token: copy 0's pick
     if window:
         tree = tree_path(drafts, target_logits, outcome, verify.get("continuations"))
         info.update(window=positions, num_drafts=num_drafts, num_accepted=outcome.num_accepted, **tree)

@@ -27,7 +27,7 @@ class SequentialStepper:
     stats: DecodeStats
     order: str  # the option (SequentialConfig)
 
-    lookahead = False  # (samplers.sessions.Stepper) calls need not score the next block
+    lookahead = False  # (samplers.loop.Stepper) calls need not score the next block
 
     def begin_block(self, block: int) -> None:
         pass
@@ -47,7 +47,8 @@ class SequentialStepper:
         x = view.x.clone()
         x[which, position] = sample_from_logits(chosen, self.temperature, bind_rows(self.generator, view.rows))
         self.stats.count_round(torch.ones_like(position))
-        return x, {"sampler": "sequential", "revealed": position[:, None] + view.offset}
+        return x, {"sampler": "sequential", "revealed": position[:, None] + view.offset,
+                   "emitted_logits": chosen[:, None]}
 
 
 def sequential_distribution(
